@@ -1,0 +1,1 @@
+"""``python -m launch.server``: SGLang's HTTP server, with ``--true-on-policy`` to enforce a contract."""

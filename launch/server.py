@@ -1,0 +1,151 @@
+"""``python -m launch.server [--true-on-policy [--true-on-policy-contract NAME] [--dry-run]] <sglang flags>``
+
+Thin by design: strip our flags, build and validate the launch plan, export the environment,
+add the manifest route, hand the resolved arguments to SGLang's own ``run_server``. Without
+``--true-on-policy`` this is exactly ``python -m sglang.launch_server`` (the overlay is inert).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from true_on_policy import DEFAULT_CONTRACT, env
+
+logger = logging.getLogger("true_on_policy")
+MANIFEST_ROUTE = "/true_on_policy/manifest"
+
+
+def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    own = {"true_on_policy": False, "contract": DEFAULT_CONTRACT, "dry_run": False}
+    rest, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--true-on-policy":
+            own["true_on_policy"] = True
+        elif a == "--dry-run":
+            own["dry_run"] = True
+        elif a == "--true-on-policy-contract":
+            if i + 1 >= len(argv):
+                raise SystemExit("--true-on-policy-contract needs a contract name")
+            own["contract"], i = argv[i + 1], i + 1
+        elif a.startswith("--true-on-policy-contract="):
+            own["contract"] = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return own, rest
+
+
+def add_manifest_route(app, contract) -> None:
+    from true_on_policy import manifest
+
+    async def true_on_policy_manifest():
+        return {"contract": contract.name, "fingerprint": contract.fingerprint,
+                "manifests": manifest.read_all()}
+
+    app.add_api_route(MANIFEST_ROUTE, true_on_policy_manifest, methods=["GET"])
+
+
+def _verifier(contract, server_args):
+    from sglang.srt.utils import kill_process_tree
+
+    from true_on_policy import manifest
+
+    def verify() -> bool:
+        expected = server_args.tp_size * server_args.pp_size
+        problems = manifest.check_schedulers(manifest.read_all(), expected, contract.fingerprint)
+        for p in problems:
+            logger.error("true-on-policy: %s", p)
+        if problems:
+            kill_process_tree(os.getpid())
+            return False
+        logger.info("true-on-policy: %d scheduler manifest(s) verified (%s)", expected, contract.fingerprint[:12])
+        return True
+
+    return verify
+
+
+def run_true_on_policy(plan) -> None:
+    from sglang.launch_server import run_server
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.utils import kill_process_tree
+
+    from true_on_policy import manifest
+    from true_on_policy.launch_plan import apply_env
+    from true_on_policy.manifest import Manifest
+
+    folder = manifest.new_run_dir()
+    changed = apply_env(plan, folder)
+    Manifest(role="launcher", contract=plan.contract.name, fingerprint=plan.contract.fingerprint,
+             env_set=changed, extra={"argv": plan.argv}).write(folder)
+    add_manifest_route(http_server.app, plan.contract)
+    verify = _verifier(plan.contract, plan.server_args)
+    warmup = http_server._execute_server_warmup
+    try:
+        if plan.server_args.use_ray:
+            run_server(plan.server_args)
+        else:
+            http_server.launch_server(
+                plan.server_args,
+                execute_warmup_func=lambda sa: verify() and warmup(sa),
+                launch_callback=verify if plan.server_args.skip_server_warmup else None,
+            )
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def run_stock(argv: list[str]) -> None:
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    os.environ.pop(env.ENABLED.name, None)  # stock means stock, whatever the shell exported
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, rest = split_own_flags(list(sys.argv[1:] if argv is None else argv))
+    if not own["true_on_policy"]:
+        if own["dry_run"]:
+            print("error: --dry-run checks a true-on-policy plan; add --true-on-policy", file=sys.stderr)
+            return 2
+        run_stock(rest)
+        return 0
+    from true_on_policy.contract import UnknownContractError, get_contract
+    from true_on_policy.launch_plan import build_plan
+    from true_on_policy.policy import PolicyError
+
+    try:
+        contract = get_contract(own["contract"])
+        plan = build_plan(contract, rest)
+    except (UnknownContractError, PolicyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if own["dry_run"]:
+        print(json.dumps(plan.to_json_dict(), indent=2, sort_keys=True, default=str))
+        return 0
+    if not cuda_available():
+        print("error: --true-on-policy needs an NVIDIA GPU with CUDA; none is visible here "
+              "(use --dry-run to check a configuration without one)", file=sys.stderr)
+        return 1
+    run_true_on_policy(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""SGLang 0.5.17 seams the overlay patches, in the order they are applied (one file per seam).
+
+``apply_all(policy)`` runs in every scheduler process (from the plugin, before the model is
+built) and returns the process's Manifest; ``undo_all()`` restores every replaced symbol.
+"""
+
+from __future__ import annotations
+
+from true_on_policy import env, patching
+from true_on_policy.manifest import Manifest
+from true_on_policy.patches import qwen3_moe, tp_worker
+
+PATCHES = (tp_worker, qwen3_moe)
+
+_MANIFEST: Manifest | None = None
+
+
+def apply_all(policy) -> Manifest:
+    global _MANIFEST
+    if _MANIFEST is not None and _MANIFEST.fingerprint == policy.contract.fingerprint:
+        return _MANIFEST
+    records = [p.apply(policy) for p in PATCHES]
+    _MANIFEST = Manifest(
+        role=policy.role,
+        contract=policy.contract.name,
+        fingerprint=policy.contract.fingerprint,
+        env_set=env.snapshot(list(policy.contract.required_env()) + [env.ENABLED.name, env.CONTRACT.name]),
+        patches=records,
+    )
+    return _MANIFEST
+
+
+def current_manifest() -> Manifest | None:
+    return _MANIFEST
+
+
+def undo_all() -> list[str]:
+    global _MANIFEST
+    undone = [t for t in list(patching.applied()) if patching.undo(t)]
+    _MANIFEST = None
+    return undone

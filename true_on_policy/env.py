@@ -1,0 +1,89 @@
+"""Every environment variable the overlay reads or sets, declared once, each with its reason.
+
+Nothing else in the package touches ``os.environ`` directly: read through ``EnvVar.get`` and set
+through ``apply_required`` / ``enable_overlay``, so the manifest can list what was set and why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    why: str
+
+    def get(self, default: str | None = None) -> str | None:
+        return os.environ.get(self.name, default)
+
+    def is_true(self) -> bool:
+        return (self.get("") or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# --- the overlay's own switches -------------------------------------------------------------
+ENABLED = EnvVar(
+    "SGLANG_TRUE_ON_POLICY",
+    "plugin gate: the sglang.srt.plugins entry point does nothing unless this is 1",
+)
+CONTRACT = EnvVar(
+    "SGLANG_TRUE_ON_POLICY_CONTRACT",
+    "name of the contract the scheduler processes enforce (the launcher sets it)",
+)
+MANIFEST_DIR = EnvVar(
+    "SGLANG_TRUE_ON_POLICY_MANIFEST_DIR",
+    "folder where every overlay process writes its manifest (one JSON file per process)",
+)
+CACHE_DIR = EnvVar(
+    "TRUE_ON_POLICY_CACHE",
+    "where the embedded tiny Qwen3-MoE checkpoint is built (default ~/.cache/true_on_policy)",
+)
+
+# --- SGLang's, read by us -------------------------------------------------------------------
+SGLANG_PLUGINS = EnvVar(
+    "SGLANG_PLUGINS",
+    "SGLang's plugin whitelist; when set it must name our entry point or the overlay is skipped",
+)
+PLUGIN_ENTRY_POINT = "true_on_policy"
+
+# --- required by contracts (values live in the contract; reasons here) ------------------------
+REQUIRED_WHY = {
+    "NCCL_NVLS_ENABLE": "NVLink SHARP (multicast) reductions change results and can take a shared host's GPUs down",
+    "NCCL_CUMEM_ENABLE": "SGLang turns cuMem on with symmetric memory; keep the plain allocator path",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "no multicast in torch symmetric memory (logits all-gather, custom AR)",
+    "NVSHMEM_DISABLE_NVLS": "no NVLS in NVSHMEM-based collectives",
+    "SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2": "custom all-reduce v2 uses multicast and a size-dependent algorithm",
+    "NCCL_ALGO": "one reduction algorithm for every message size (tree), eager and graph alike",
+    "NCCL_PROTO": "one protocol for every message size",
+    "NCCL_MIN_NCHANNELS": "pinned channel count: the tree alone is not message-size invariant (sglang #34159)",
+    "NCCL_MAX_NCHANNELS": "pinned channel count (see NCCL_MIN_NCHANNELS)",
+    "CUBLAS_WORKSPACE_CONFIG": "deterministic cuBLAS workspace for any GEMM left on cuBLAS",
+    "SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "SGLang's own deterministic switches (qk-norm fused path off, ...)",
+    "SGLANG_SIMULATE_UNIFORM_EXPERTS": "debug routing override; must stay off",
+    "SGLANG_SIMULATE_ROUND_ROBIN_EXPERTS": "debug routing override; must stay off",
+    "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "non-invariant einsum fallback for aten::mm",
+    "SGLANG_RETURN_ORIGINAL_LOGPROB": "would return pre-temperature log-probs, not the contract's",
+    "SGLANG_ENABLE_CUSTOM_ALL_REDUCE_V2_MULTINODE": "multi-node custom all-reduce; must stay off",
+}
+
+
+def apply_required(settings: dict[str, str]) -> dict[str, str]:
+    """Set each ``name -> value`` in this process's environment; returns what changed."""
+    changed = {}
+    for name, value in settings.items():
+        if os.environ.get(name) != value:
+            changed[name] = value
+        os.environ[name] = value
+    return changed
+
+
+def enable_overlay(contract_name: str, manifest_dir: str) -> dict[str, str]:
+    """Turn the overlay on for this process and every process it spawns."""
+    return apply_required(
+        {ENABLED.name: "1", CONTRACT.name: contract_name, MANIFEST_DIR.name: manifest_dir}
+    )
+
+
+def snapshot(names) -> dict[str, str | None]:
+    return {n: os.environ.get(n) for n in sorted(names)}

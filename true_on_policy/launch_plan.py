@@ -1,0 +1,126 @@
+"""From a contract and the user's SGLang arguments to a validated launch plan — no GPU needed.
+
+``build_plan`` strips nothing (the launcher already removed its own flags); it fills in the
+embedded checkpoint when no ``--model-path`` is given, rejects user values that contradict a
+forced argument, appends the forced arguments, lets SGLang resolve the result
+(``prepare_server_args``) and validates the *resolved* object, the environment and the
+installed versions. Every violation is collected before one ``PolicyError`` is raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from true_on_policy import env
+from true_on_policy.contract import Contract
+from true_on_policy.policy import (
+    PolicyError,
+    Violation,
+    _member,
+    check_args,
+    check_env,
+    check_model,
+    check_versions,
+)
+
+
+@dataclass
+class LaunchPlan:
+    contract: Contract
+    argv: list[str]
+    forced: dict
+    server_args: object
+    embedded_model: bool
+    env: dict = field(default_factory=dict)
+
+    def to_json_dict(self) -> dict:
+        sa = self.server_args
+        return {
+            "contract": self.contract.name,
+            "fingerprint": self.contract.fingerprint,
+            "argv": self.argv,
+            "forced_args": self.forced,
+            "env": self.env,
+            "model_path": sa.model_path,
+            "embedded_model": self.embedded_model,
+            "resolved": {r.dest: getattr(sa, r.dest, None) for r in self.contract.args},
+        }
+
+
+def sglang_parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="python -m launch.server")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def has_model_path(argv: list[str]) -> bool:
+    return any(a in ("--model-path", "--model") or a.startswith(("--model-path=", "--model=")) for a in argv)
+
+
+def forced_argv(contract: Contract) -> tuple[list[str], dict]:
+    argv, forced = [], {}
+    for rule in contract.args:
+        if not rule.forced:
+            continue
+        forced[rule.flag] = rule.force
+        if rule.force is True:
+            argv.append(rule.flag)
+        elif rule.force is not False and rule.force is not None:
+            argv += [rule.flag, str(rule.force)]
+    return argv, forced
+
+
+def user_conflicts(contract: Contract, ns: argparse.Namespace, defaults: argparse.Namespace) -> list[Violation]:
+    out = []
+    for rule in contract.args:
+        if not rule.forced or not hasattr(ns, rule.dest):
+            continue
+        mine = getattr(ns, rule.dest)
+        if mine != getattr(defaults, rule.dest) and not _member(mine, rule.allowed):
+            out.append(Violation(rule.flag, f"you passed {mine!r}", f"the contract forces {rule.force!r} ({rule.why})"))
+    return out
+
+
+def build_plan(contract: Contract, user_argv: list[str], environ=None) -> LaunchPlan:
+    from sglang.srt.server_args import prepare_server_args
+
+    from true_on_policy.plugin import add_rl_target
+
+    add_rl_target(contract.rl_on_policy_target)
+    argv = list(user_argv)
+    embedded = not has_model_path(argv)
+    if embedded:
+        from true_on_policy import tiny_model
+
+        argv += ["--model-path", tiny_model.ensure("embedded")]
+    parser = sglang_parser()
+    ns = parser.parse_args(argv)
+    defaults = parser.parse_args(["--model-path", ns.model_path])
+    conflicts = user_conflicts(contract, ns, defaults)
+    extra, forced = forced_argv(contract)
+    argv += extra
+    environ = os.environ if environ is None else environ
+    early = check_versions(contract) + check_env(contract, environ) + check_model(contract, ns.model_path)
+    if early:  # SGLang cannot resolve arguments for a model it cannot read: report what we know
+        raise PolicyError(contract.name, early + conflicts + check_args(contract, parser.parse_args(argv)))
+    try:
+        server_args = prepare_server_args(argv)
+    except Exception as e:  # noqa: BLE001 - SGLang's own refusal, reported with ours
+        raise PolicyError(contract.name, conflicts + [Violation("sglang", f"refused the arguments ({e})",
+                                                                "fix the flag it names")]) from e
+    violations = conflicts + check_args(contract, server_args)
+    if violations:
+        raise PolicyError(contract.name, violations)
+    required = dict(contract.required_env())
+    return LaunchPlan(contract, argv, forced, server_args, embedded, required)
+
+
+def apply_env(plan: LaunchPlan, manifest_dir: str) -> dict:
+    """Export the contract's environment and the overlay switch (inherited by every child)."""
+    changed = env.apply_required(plan.env)
+    changed.update(env.enable_overlay(plan.contract.name, manifest_dir))
+    return changed

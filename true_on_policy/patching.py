@@ -1,0 +1,128 @@
+"""Reversible, idempotent, loud attribute replacement — the one mechanism every patch uses.
+
+SGLang's HookRegistry logs and swallows a failed target and has no undo; a silently skipped
+patch is silently off-policy training, so patches go through ``wrap``: it raises
+``PatchError`` naming the missing symbol, keeps ``__wrapped__`` and a marker on the replacement,
+rewrites every module global that held the original (``from X import f`` bindings, the same
+propagation HookRegistry does), and ``undo`` restores all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import pkgutil
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MARKER = "__true_on_policy_patch__"
+SUPPORTED_SGLANG = "0.5.17"
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+def _name(obj: Any) -> str:
+    mod = getattr(obj, "__module__", None) or "?"
+    return f"{mod}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+@dataclass
+class Replacement:
+    target: str
+    owner: Any
+    attr: str
+    original: Any
+    new: Any
+    propagated: list[tuple[types.ModuleType, str]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.target}: {_name(self.original)} -> {_name(self.new)}"
+
+
+_APPLIED: dict[str, Replacement] = {}
+
+
+def resolve(target: str) -> tuple[Any, str, Any]:
+    """``pkg.mod.Class.attr`` -> (owner, attr, current value); raises PatchError if absent."""
+    owner_path, _, attr = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise PatchError(_missing(target, f"{owner_path} cannot be imported ({e})")) from e
+    raw = owner.__dict__.get(attr) if isinstance(owner, (type, types.ModuleType)) else None
+    if raw is None:
+        raise PatchError(_missing(target, f"{owner_path} has no attribute {attr!r}"))
+    if isinstance(raw, (classmethod, staticmethod, property)):
+        raise PatchError(f"{target}: is a {type(raw).__name__}; wrap() patches plain functions only")
+    return owner, attr, raw
+
+
+def _missing(target: str, detail: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        have = version("sglang")
+    except Exception:  # noqa: BLE001 - only for the message
+        have = "not installed"
+    return (f"cannot patch {target}: {detail}. The true-on-policy overlay supports "
+            f"sglang=={SUPPORTED_SGLANG}; installed: {have}.")
+
+
+def wrap(target: str, make: Callable[[Callable], Callable]) -> Replacement:
+    """Replace ``target`` by ``make(original)``. A second call for the same target is a no-op."""
+    if target in _APPLIED:
+        return _APPLIED[target]
+    owner, attr, original = resolve(target)
+    if getattr(original, MARKER, None) is not None:
+        raise PatchError(f"{target} is already patched by another copy of the overlay")
+    new = make(original)
+    functools.update_wrapper(new, original)
+    new.__wrapped__ = original
+    setattr(new, MARKER, target)
+    setattr(owner, attr, new)
+    rep = Replacement(target, owner, attr, original, new)
+    for mod in list(sys.modules.values()):
+        if not isinstance(mod, types.ModuleType) or mod is owner:
+            continue
+        try:
+            items = list(vars(mod).items())
+        except TypeError:
+            continue
+        for name, value in items:
+            if value is original:
+                setattr(mod, name, new)
+                rep.propagated.append((mod, name))
+    _APPLIED[target] = rep
+    return rep
+
+
+def undo(target: str) -> bool:
+    rep = _APPLIED.pop(target, None)
+    if rep is None:
+        return False
+    setattr(rep.owner, rep.attr, rep.original)
+    for mod, name in rep.propagated:
+        if getattr(mod, name, None) is rep.new:
+            setattr(mod, name, rep.original)
+    return True
+
+
+def applied() -> dict[str, Replacement]:
+    return dict(_APPLIED)
+
+
+def after(hook: Callable) -> Callable[[Callable], Callable]:
+    """``make`` for wrap(): call the original, then ``hook(result, *args, **kwargs)``."""
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            hook(result, *args, **kwargs)
+            return result
+
+        return wrapper
+
+    return make

@@ -1,0 +1,73 @@
+"""The ``sglang.srt.plugins`` entry point: SGLang calls ``register()`` in every process that
+runs ``load_plugins()`` (the launcher/engine parent and each scheduler, spawned).
+
+Inert unless ``SGLANG_TRUE_ON_POLICY=1``; reads no SGLang config here (the scheduler has not
+published it yet); idempotent. In a scheduler it applies every patch before the model is built.
+In the parent it hooks ``ServerArgs.check_server_args`` so an Engine built with a violating
+configuration fails before any process is spawned.
+
+``load_plugins`` logs and swallows ``Exception`` from a plugin, which would leave a scheduler
+running stock numerics under a true-on-policy banner. Failures are therefore re-raised as
+``OverlayAbort`` (a ``SystemExit``), which it does not swallow: the process stops, loudly.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from true_on_policy import env
+
+logger = logging.getLogger("true_on_policy")
+CHECK_SERVER_ARGS = "sglang.srt.server_args.ServerArgs.check_server_args"
+
+
+class OverlayAbort(SystemExit):
+    pass
+
+
+def register() -> None:
+    if not env.ENABLED.is_true():
+        return
+    try:
+        _register()
+    except Exception as e:  # noqa: BLE001 - re-raised past load_plugins' `except Exception`
+        logger.critical("true-on-policy overlay failed to load: %s", e)
+        raise OverlayAbort(f"true-on-policy overlay failed to load: {e}") from e
+
+
+def process_role() -> str:
+    return "launcher" if multiprocessing.current_process().name == "MainProcess" else "scheduler"
+
+
+def _register() -> None:
+    from true_on_policy.policy import RuntimePolicy
+
+    policy = RuntimePolicy.from_env(process_role())
+    add_rl_target(policy.contract.rl_on_policy_target)
+    if policy.role == "scheduler":
+        from true_on_policy import patches
+
+        manifest = patches.apply_all(policy)
+        for record in manifest.patches:
+            for line in record.replacements:
+                logger.info("true-on-policy patch %s: %s", record.patch, line)
+    else:
+        install_validation(policy)
+
+
+def add_rl_target(name: str) -> None:
+    from sglang.srt.server_args import RL_ON_POLICY_TARGET_CHOICES, add_rl_on_policy_target_choices
+
+    if name not in RL_ON_POLICY_TARGET_CHOICES:
+        add_rl_on_policy_target_choices([name])
+
+
+def install_validation(policy) -> None:
+    from true_on_policy.patching import after, wrap
+    from true_on_policy.policy import validate
+
+    def _validate(_result, server_args, *args, **kwargs):
+        validate(policy.contract, server_args)
+
+    wrap(CHECK_SERVER_ARGS, after(_validate))

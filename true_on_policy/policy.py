@@ -1,0 +1,146 @@
+"""Runtime policy: check a contract against the resolved SGLang arguments, the environment,
+the installed versions and the model, all at once, and fail closed with every violation."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from true_on_policy import env
+from true_on_policy.contract import Contract, get_contract
+
+
+@dataclass(frozen=True)
+class Violation:
+    subject: str  # flag, env var, package or "model"
+    found: str
+    fix: str
+
+    def __str__(self):
+        return f"{self.subject}: {self.found} -> {self.fix}"
+
+
+class PolicyError(ValueError):
+    def __init__(self, contract: str, violations: list[Violation]):
+        self.contract = contract
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(
+            f"true-on-policy contract {contract}: {len(self.violations)} violation(s); "
+            f"nothing was started:\n{lines}"
+        )
+
+
+@dataclass(frozen=True)
+class RuntimePolicy:
+    """What a process enforces: the contract and the role it plays (launcher, engine, scheduler)."""
+
+    contract: Contract
+    role: str
+
+    @classmethod
+    def from_env(cls, role: str) -> "RuntimePolicy":
+        from true_on_policy import DEFAULT_CONTRACT
+
+        return cls(get_contract(env.CONTRACT.get() or DEFAULT_CONTRACT), role)
+
+
+def _member(value, allowed) -> bool:
+    for a in allowed:
+        if a is None or isinstance(a, bool) or isinstance(value, bool):
+            if value is a:
+                return True
+        elif value == a:
+            return True
+    return False
+
+
+def check_args(contract: Contract, server_args) -> list[Violation]:
+    out = []
+    for rule in contract.args:
+        if not hasattr(server_args, rule.dest):
+            out.append(Violation(rule.flag, f"ServerArgs has no field {rule.dest!r}",
+                                 "install sglang==0.5.17"))
+            continue
+        value = getattr(server_args, rule.dest)
+        if not _member(value, rule.allowed):
+            fix = (f"the contract forces {rule.force!r}; drop your value" if rule.forced
+                   else f"allowed: {', '.join(map(repr, rule.allowed))}; instead: {rule.alternative}")
+            out.append(Violation(rule.flag, f"{value!r} ({rule.why})", fix))
+    tp, ep = getattr(server_args, "tp_size", 1), getattr(server_args, "ep_size", 1)
+    if isinstance(tp, int) and isinstance(ep, int) and ep > 0 and tp % ep:
+        out.append(Violation("--ep-size", f"{ep} does not divide --tp-size {tp}", "choose EP dividing TP"))
+    return out
+
+
+def check_env(contract: Contract, environ=None) -> list[Violation]:
+    environ = os.environ if environ is None else environ
+    out = []
+    for rule in contract.env:
+        have = environ.get(rule.name)
+        if have is None:
+            continue
+        if rule.value is not None and have != rule.value:
+            out.append(Violation(rule.name, f"set to {have!r}",
+                                 f"unset it (the launcher sets {rule.value!r}: {env.REQUIRED_WHY[rule.name]})"))
+        elif rule.value is None and have not in rule.allowed:
+            out.append(Violation(rule.name, f"set to {have!r}", f"unset it ({env.REQUIRED_WHY[rule.name]})"))
+    plugins = environ.get(env.SGLANG_PLUGINS.name)
+    if plugins and env.PLUGIN_ENTRY_POINT not in {p.strip() for p in plugins.split(",")}:
+        out.append(Violation(env.SGLANG_PLUGINS.name, f"{plugins!r} does not list {env.PLUGIN_ENTRY_POINT!r}",
+                             f"add {env.PLUGIN_ENTRY_POINT} or unset it (else schedulers skip the overlay)"))
+    return out
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def check_versions(contract: Contract, installed=_installed) -> list[Violation]:
+    out = []
+    for dist, want in contract.versions:
+        have = installed(dist)
+        if have is None or have.split("+")[0] != want:
+            out.append(Violation(dist, f"{have or 'not installed'}", f"install {dist}=={want}"))
+    return out
+
+
+def read_architectures(model_path: str) -> list[str]:
+    cfg = Path(model_path) / "config.json"
+    if cfg.is_file():
+        return list(json.loads(cfg.read_text()).get("architectures") or [])
+    from transformers import AutoConfig  # a hub id: only what is already in the local cache
+
+    return list(AutoConfig.from_pretrained(model_path, local_files_only=True).architectures or [])
+
+
+def check_model(contract: Contract, model_path: str | None) -> list[Violation]:
+    if not model_path:
+        return [Violation("--model-path", "missing", "pass a Qwen3-MoE checkpoint or omit it for the embedded one")]
+    try:
+        archs = read_architectures(model_path)
+    except Exception as e:  # noqa: BLE001 - any failure to read the config is one violation
+        return [Violation("--model-path", f"cannot read the model config of {model_path!r} ({e})",
+                          "pass a local Qwen3-MoE checkpoint folder")]
+    if not set(archs) & set(contract.architectures):
+        return [Violation("--model-path", f"architectures {archs} are not covered",
+                          f"use a {' / '.join(contract.architectures)} checkpoint ({contract.model_family})")]
+    return []
+
+
+def check_all(contract: Contract, server_args, environ=None, installed=_installed) -> list[Violation]:
+    return (check_versions(contract, installed) + check_env(contract, environ)
+            + check_model(contract, getattr(server_args, "model_path", None))
+            + check_args(contract, server_args))
+
+
+def validate(contract: Contract, server_args, environ=None) -> None:
+    violations = check_all(contract, server_args, environ)
+    if violations:
+        raise PolicyError(contract.name, violations)

@@ -1,0 +1,110 @@
+"""Small random-init Qwen3-MoE checkpoints (and a byte-level tokenizer) built locally.
+
+Nothing is downloaded: transformers' ``Qwen3MoeForCausalLM`` is initialised from a seed and
+saved with ``save_pretrained``. Builds are cached under ``$TRUE_ON_POLICY_CACHE`` (default
+``~/.cache/true_on_policy``) in a folder named after a hash of the geometry, written to a
+temporary folder first and renamed, so concurrent builders never see half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from true_on_policy import env
+
+# The embedded default: small enough to build on a CPU in seconds, every Qwen3-MoE feature on.
+EMBEDDED = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096,
+    rope_theta=1_000_000.0, rms_norm_eps=1e-6, initializer_range=0.05, seed=0,
+)
+# A second geometry (more experts, top-4, 8 query heads / 2 KV heads, head_dim 128, 4 layers).
+WIDE = dict(EMBEDDED, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=128, num_experts=16, num_experts_per_tok=4,
+            moe_intermediate_size=96, seed=1)
+GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE}
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    return Path(env.CACHE_DIR.get() or Path.home() / ".cache" / "true_on_policy")
+
+
+def _key(spec: dict) -> str:
+    import transformers
+
+    blob = json.dumps({"spec": spec, "transformers": transformers.__version__, "format": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def build_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    for s in SPECIALS:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def build(folder: Path, spec: dict) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    spec = dict(spec)
+    seed = spec.pop("seed")
+    tok = build_tokenizer(folder)
+    cfg = Qwen3MoeConfig(
+        **spec, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.pad_token_id,
+        torch_dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"],
+    )
+    gen = torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # non-trivial norm weights, so weight rounding is exercised too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    model.to(torch.bfloat16).save_pretrained(folder)
+
+
+def ensure(geometry: str = "embedded") -> str:
+    """Path of the cached checkpoint of ``geometry``, building it on first use."""
+    try:
+        spec = GEOMETRIES[geometry]
+    except KeyError:
+        raise KeyError(f"unknown tiny geometry {geometry!r}; known: {', '.join(GEOMETRIES)}") from None
+    final = cache_root() / f"qwen3-moe-{geometry}-{_key(spec)}"
+    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
+    try:
+        build(tmp, spec)
+        (tmp / "true_on_policy_geometry.json").write_text(json.dumps(spec, indent=1, sort_keys=True))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race: keep theirs
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
