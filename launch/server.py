@@ -74,13 +74,13 @@ def run_true_on_policy(plan) -> None:
     from sglang.srt.utils import kill_process_tree
 
     from true_on_policy import manifest
-    from true_on_policy.launch_plan import apply_env
+    from true_on_policy.launch_plan import apply_env, exported_env
     from true_on_policy.manifest import Manifest
 
     folder = manifest.new_run_dir()
-    changed = apply_env(plan, folder)
+    apply_env(plan, folder)
     Manifest(role="launcher", contract=plan.contract.name, fingerprint=plan.contract.fingerprint,
-             env_set=changed, extra={"argv": plan.argv}).write(folder)
+             env_set=exported_env(plan), extra={"argv": plan.argv}).write(folder)
     add_manifest_route(http_server.app, plan.contract)
     verify = _verifier(plan.contract, plan.server_args)
     warmup = http_server._execute_server_warmup
@@ -103,7 +103,7 @@ def run_stock(argv: list[str]) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    os.environ.pop(env.ENABLED.name, None)  # stock means stock, whatever the shell exported
+    env.disable_overlay()  # stock means stock, whatever the shell exported
     load_plugins()
     server_args = prepare_server_args(argv)
     try:

@@ -68,17 +68,33 @@ REQUIRED_WHY = {
 }
 
 
-def apply_required(settings: dict[str, str]) -> dict[str, str]:
-    """Set each ``name -> value`` in this process's environment; returns what changed."""
-    changed = {}
+def apply_required(settings: dict[str, str]) -> dict[str, str | None]:
+    """Set each ``name -> value`` in this process's environment (inherited by children).
+
+    Returns the previous value (None = unset) of every variable that changed, for ``restore``.
+    """
+    previous = {}
     for name, value in settings.items():
         if os.environ.get(name) != value:
-            changed[name] = value
+            previous[name] = os.environ.get(name)
         os.environ[name] = value
-    return changed
+    return previous
 
 
-def enable_overlay(contract_name: str, manifest_dir: str) -> dict[str, str]:
+def restore(previous: dict[str, str | None]) -> None:
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def disable_overlay() -> None:
+    """Stock mode: make sure no child inherits the overlay switch from the caller's shell."""
+    os.environ.pop(ENABLED.name, None)
+
+
+def enable_overlay(contract_name: str, manifest_dir: str) -> dict[str, str | None]:
     """Turn the overlay on for this process and every process it spawns."""
     return apply_required(
         {ENABLED.name: "1", CONTRACT.name: contract_name, MANIFEST_DIR.name: manifest_dir}

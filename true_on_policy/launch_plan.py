@@ -74,18 +74,20 @@ def forced_argv(contract: Contract) -> tuple[list[str], dict]:
     return argv, forced
 
 
-def user_conflicts(contract: Contract, ns: argparse.Namespace, defaults: argparse.Namespace) -> list[Violation]:
+def user_conflicts(contract: Contract, given: dict, defaults: dict) -> list[Violation]:
+    """User values that contradict a forced argument (rejected rather than silently overridden)."""
     out = []
     for rule in contract.args:
-        if not rule.forced or not hasattr(ns, rule.dest):
+        if not rule.forced or rule.dest not in given:
             continue
-        mine = getattr(ns, rule.dest)
-        if mine != getattr(defaults, rule.dest) and not _member(mine, rule.allowed):
+        mine = given[rule.dest]
+        if mine != defaults.get(rule.dest) and not _member(mine, rule.allowed):
             out.append(Violation(rule.flag, f"you passed {mine!r}", f"the contract forces {rule.force!r} ({rule.why})"))
     return out
 
 
 def build_plan(contract: Contract, user_argv: list[str], environ=None) -> LaunchPlan:
+    """Plan for the launcher: SGLang command-line arguments in, resolved ServerArgs out."""
     from sglang.srt.server_args import prepare_server_args
 
     from true_on_policy.plugin import add_rl_target
@@ -94,33 +96,69 @@ def build_plan(contract: Contract, user_argv: list[str], environ=None) -> Launch
     argv = list(user_argv)
     embedded = not has_model_path(argv)
     if embedded:
-        from true_on_policy import tiny_model
-
-        argv += ["--model-path", tiny_model.ensure("embedded")]
+        argv += ["--model-path", _embedded_model()]
     parser = sglang_parser()
     ns = parser.parse_args(argv)
-    defaults = parser.parse_args(["--model-path", ns.model_path])
-    conflicts = user_conflicts(contract, ns, defaults)
+    conflicts = user_conflicts(contract, vars(ns), vars(parser.parse_args(["--model-path", ns.model_path])))
     extra, forced = forced_argv(contract)
     argv += extra
+    server_args = _resolve(contract, ns.model_path, conflicts, environ,
+                           lambda: prepare_server_args(argv), lambda: parser.parse_args(argv))
+    return LaunchPlan(contract, argv, forced, server_args, embedded, dict(contract.required_env()))
+
+
+def build_plan_from_kwargs(contract: Contract, kwargs: dict, environ=None) -> LaunchPlan:
+    """Plan for the Python engine: ``sglang.Engine`` keyword arguments in, resolved ServerArgs out."""
+    from sglang.srt.server_args import ServerArgs
+
+    from true_on_policy.plugin import add_rl_target
+
+    add_rl_target(contract.rl_on_policy_target)
+    kwargs = dict(kwargs)
+    embedded = kwargs.get("model_path") is None
+    if embedded:
+        kwargs["model_path"] = _embedded_model()
+    defaults = {f: getattr(ServerArgs, f) for f in kwargs if hasattr(ServerArgs, f)}
+    conflicts = user_conflicts(contract, kwargs, defaults)
+    forced = {r.dest: r.force for r in contract.args if r.forced}
+    merged = {**kwargs, **forced}
+    server_args = _resolve(contract, kwargs["model_path"], conflicts, environ,
+                           lambda: ServerArgs(**merged), lambda: argparse.Namespace(**merged))
+    return LaunchPlan(contract, [], forced, server_args, embedded, dict(contract.required_env()))
+
+
+def _embedded_model() -> str:
+    from true_on_policy import tiny_model
+
+    return tiny_model.ensure("embedded")
+
+
+def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
     environ = os.environ if environ is None else environ
-    early = check_versions(contract) + check_env(contract, environ) + check_model(contract, ns.model_path)
+    early = check_versions(contract) + check_env(contract, environ) + check_model(contract, model_path)
     if early:  # SGLang cannot resolve arguments for a model it cannot read: report what we know
-        raise PolicyError(contract.name, early + conflicts + check_args(contract, parser.parse_args(argv)))
+        raise PolicyError(contract.name, early + conflicts + check_args(contract, unresolved()))
     try:
-        server_args = prepare_server_args(argv)
+        server_args = resolve()
     except Exception as e:  # noqa: BLE001 - SGLang's own refusal, reported with ours
         raise PolicyError(contract.name, conflicts + [Violation("sglang", f"refused the arguments ({e})",
-                                                                "fix the flag it names")]) from e
+                                                                "fix the argument it names")]) from e
     violations = conflicts + check_args(contract, server_args)
     if violations:
         raise PolicyError(contract.name, violations)
-    required = dict(contract.required_env())
-    return LaunchPlan(contract, argv, forced, server_args, embedded, required)
+    return server_args
 
 
-def apply_env(plan: LaunchPlan, manifest_dir: str) -> dict:
-    """Export the contract's environment and the overlay switch (inherited by every child)."""
-    changed = env.apply_required(plan.env)
-    changed.update(env.enable_overlay(plan.contract.name, manifest_dir))
-    return changed
+def apply_env(plan: LaunchPlan, manifest_dir: str) -> dict[str, str | None]:
+    """Export the contract's environment and the overlay switch (inherited by every child).
+
+    Returns the previous values, for ``env.restore``.
+    """
+    previous = env.apply_required(plan.env)
+    for name, value in env.enable_overlay(plan.contract.name, manifest_dir).items():
+        previous.setdefault(name, value)
+    return previous
+
+
+def exported_env(plan: LaunchPlan) -> dict[str, str | None]:
+    return env.snapshot(list(plan.env) + [env.ENABLED.name, env.CONTRACT.name, env.MANIFEST_DIR.name])

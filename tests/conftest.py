@@ -1,0 +1,71 @@
+"""Shared fixtures. The GPU tier is every test marked ``gpu``: skipped without CUDA.
+
+Run the CPU tier: ``pytest -m "not gpu"``; the GPU tier: ``pytest -m gpu`` (see README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """One cache folder for the embedded checkpoints of the whole session (built once)."""
+    folder = os.environ.get("TRUE_ON_POLICY_CACHE") or str(tmp_path_factory.mktemp("tiny-cache"))
+    os.environ["TRUE_ON_POLICY_CACHE"] = folder
+    return folder
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No overlay or NCCL settings leak in from the caller's shell."""
+    from true_on_policy import env
+    from true_on_policy.contract import get_contract
+
+    names = [e.name for e in get_contract("qwen3_moe_true_on_policy_v1").env]
+    for n in names + [env.ENABLED.name, env.CONTRACT.name, env.MANIFEST_DIR.name, env.SGLANG_PLUGINS.name]:
+        monkeypatch.delenv(n, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture(scope="session")
+def gpu_evidence():
+    """GPU tier: records appended here are written to one JSON file at the end of the session."""
+    records: list[dict] = []
+    yield records
+    if not records:
+        return
+    from true_on_policy.manifest import package_versions
+
+    folder = Path(os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR", ROOT / "evidence" / "gpu-tier"))
+    folder.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    doc = {"schema": "true_on_policy.gpu_tier/1", "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "device": torch.cuda.get_device_name(0), "versions": package_versions(), "records": records}
+    (folder / "gpu-tier.json").write_text(json.dumps(doc, indent=1, sort_keys=True, default=str))

@@ -1,0 +1,88 @@
+"""Contract: frozen data, canonical JSON round trip, stable fingerprint, loud registry."""
+
+import dataclasses
+import json
+
+import pytest
+
+from helpers import run_py
+from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get_contract, known_contracts
+
+NAME = "qwen3_moe_true_on_policy_v1"
+# v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
+GOLDEN_FINGERPRINT = "57f8676c58079da3e31012571e83c284761bcd80771662629bca98209e74e822"
+
+
+def test_round_trip_is_identity():
+    c = get_contract(NAME)
+    back = Contract.from_json(c.canonical_json())
+    assert back == c
+    assert back.canonical_json() == c.canonical_json()
+    assert back.fingerprint == c.fingerprint
+
+
+def test_fingerprint_is_pinned_and_stable_across_processes():
+    c = get_contract(NAME)
+    assert c.fingerprint == GOLDEN_FINGERPRINT
+    for seed in ("0", "12345"):
+        r = run_py(f"from true_on_policy.contract import get_contract; print(get_contract('{NAME}').fingerprint)",
+                   {"PYTHONHASHSEED": seed})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == GOLDEN_FINGERPRINT
+
+
+def test_canonical_json_is_sorted_and_compact():
+    text = get_contract(NAME).canonical_json()
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+
+
+def test_any_change_changes_the_fingerprint():
+    c = get_contract(NAME)
+    changed = dataclasses.replace(c, logprob=c.logprob + " ")
+    assert changed.fingerprint != c.fingerprint
+
+
+def test_contract_is_frozen():
+    c = get_contract(NAME)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.name = "x"  # type: ignore[misc]
+
+
+def test_unknown_name_lists_known_ones():
+    with pytest.raises(UnknownContractError) as e:
+        get_contract("qwen3_moe_true_on_policy_v0")
+    assert NAME in str(e.value) and "known contracts" in str(e.value)
+    assert NAME in known_contracts()
+
+
+def test_validation_in_post_init():
+    c = get_contract(NAME)
+    with pytest.raises(ValueError, match="_v1"):
+        dataclasses.replace(c, name="qwen3_moe_true_on_policy")
+    with pytest.raises(ValueError, match="duplicate"):
+        dataclasses.replace(c, args=c.args + (c.args[0],))
+    with pytest.raises(ValueError, match="not in allowed"):
+        ArgRule("x", "--x", (1,), "why", "alt", force=2, forced=True)
+
+
+def test_contract_states_what_the_issue_requires():
+    c = get_contract(NAME)
+    assert c.architectures == ("Qwen3MoeForCausalLM",)
+    assert dict(c.versions) == {"sglang": "0.5.17", "torch": "2.11.0"}
+    assert c.layouts.rollout_tp == (1, 2, 4, 8)
+    assert c.arg("enable_dp_attention").allowed == (False,)
+    assert c.required_env()["NCCL_NVLS_ENABLE"] == "0"
+    ops = {n.op for n in c.numerics}
+    assert {"rmsnorm", "column_linear", "row_linear_tp_reduce", "attention", "rope", "moe_router",
+            "moe_combine", "token_logprob"} <= ops
+    assert all(n.rounding for n in c.numerics)
+
+
+def test_cli_show_prints_contract_and_fingerprint():
+    r = run_py(f"import sys; from true_on_policy.__main__ import main; sys.exit(main(['contract','show','{NAME}']))")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["fingerprint"] == GOLDEN_FINGERPRINT
+    assert Contract.from_dict(doc["contract"]).fingerprint == GOLDEN_FINGERPRINT
+    bad = run_py("import sys; from true_on_policy.__main__ import main; sys.exit(main(['contract','show','nope']))")
+    assert bad.returncode == 2 and NAME in bad.stderr

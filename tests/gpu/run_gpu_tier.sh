@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU tier in one command, on any machine with an NVIDIA GPU and sglang 0.5.17 installed:
+#   bash tests/gpu/run_gpu_tier.sh [OUT_DIR]          (default OUT_DIR: evidence/gpu-run)
+# Runs `pytest -m gpu` (evidence: OUT_DIR/gpu-tier.json) and the parity harness for stock SGLang
+# and for --true-on-policy on the embedded model (OUT_DIR/parity-{stock,tpo}-embedded.json).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT_DIR=${1:-evidence/gpu-run}
+mkdir -p "$OUT_DIR"
+export TRUE_ON_POLICY_EVIDENCE_DIR=$OUT_DIR PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -c "import true_on_policy, sglang" 2>/dev/null || bash tests/gpu/dev_install.sh || exit 1
+rc=0
+for mode in ${PARITY_MODES:-stock tpo}; do
+  python3 -m true_on_policy.parity --mode "$mode" --prompts "${PARITY_PROMPTS:-64}" \
+    --new-tokens "${PARITY_NEW_TOKENS:-64}" --out "$OUT_DIR/parity-$mode-embedded.json" \
+    > "$OUT_DIR/parity-$mode.log" 2>&1 || { rc=1; echo "parity $mode FAILED"; }
+  tail -n 1 "$OUT_DIR/parity-$mode.log"
+done
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT_DIR/pytest-gpu.log" | tail -n 25
+exit $(( rc || PIPESTATUS[0] ))

@@ -1,0 +1,71 @@
+"""In-process (and Ray-actor) entry: ``sglang.Engine`` with a true-on-policy contract enforced.
+
+Importing this module needs neither a GPU nor SGLang; constructing the engine validates the
+configuration first (``PolicyError`` listing every violation, before any GPU work), exports the
+contract's environment, starts SGLang and checks that every scheduler process loaded the
+overlay under the same contract fingerprint.
+
+    from true_on_policy.engine import TrueOnPolicyEngine
+    with TrueOnPolicyEngine(model_path=..., tp_size=1) as eng:
+        out = eng.generate(input_ids=[[1, 2, 3]], sampling_params={"temperature": 1.0})
+        eng.manifests()
+"""
+
+from __future__ import annotations
+
+from true_on_policy import DEFAULT_CONTRACT, env
+
+
+class TrueOnPolicyEngine:
+    def __init__(self, *, contract: str = DEFAULT_CONTRACT, **sglang_kwargs):
+        from true_on_policy import manifest
+        from true_on_policy.contract import get_contract
+        from true_on_policy.launch_plan import apply_env, build_plan_from_kwargs, exported_env
+
+        self.contract = get_contract(contract)
+        sglang_kwargs.setdefault("log_level", "error")
+        self.plan = build_plan_from_kwargs(self.contract, sglang_kwargs)
+        self.manifest_dir = manifest.new_run_dir()
+        self._previous_env = apply_env(self.plan, self.manifest_dir)
+        manifest.Manifest(role="engine", contract=self.contract.name, fingerprint=self.contract.fingerprint,
+                          env_set=exported_env(self.plan)).write(self.manifest_dir)
+        import sglang
+
+        try:
+            self.engine = sglang.Engine(server_args=self.plan.server_args)
+        except BaseException:
+            env.restore(self._previous_env)
+            raise
+        sa = self.plan.server_args
+        problems = manifest.check_schedulers(self.manifests(), sa.tp_size * sa.pp_size, self.contract.fingerprint)
+        if problems:
+            self.shutdown()
+            raise RuntimeError("true-on-policy engine refused: " + "; ".join(problems))
+
+    @property
+    def server_args(self):
+        return self.plan.server_args
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = True, **kwargs):
+        """``sglang.Engine.generate`` with ``return_logprob`` on by default."""
+        return self.engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                                    return_logprob=return_logprob, **kwargs)
+
+    def manifests(self) -> list[dict]:
+        from true_on_policy import manifest
+
+        return manifest.read_all(self.manifest_dir)
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None
+        env.restore(self._previous_env)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False

@@ -1,0 +1,170 @@
+"""Parity harness — the scoreboard: rollout log-probs vs a trainer's recompute of the same tokens.
+
+    python -m true_on_policy.parity --mode {stock,tpo} [--model-path P | --geometry embedded]
+        [--prompts 64] [--new-tokens 64] [--temperature 1.0] [--tp-size 1] --out evidence/X.json
+
+1. start the engine (stock ``sglang.Engine``, or ``TrueOnPolicyEngine``), sample N prompts of
+   mixed lengths x T new tokens with log-probs (one seed per prompt), shut it down;
+2. recompute log p(token | prefix) of every sampled token with the trainer — today Hugging Face
+   transformers' ``Qwen3MoeForCausalLM`` in bf16: fp32 ``log_softmax(logits / T)``;
+3. write JSON evidence: versions, contract fingerprint, git commit, config, ``tokens``,
+   ``mean_abs_diff``, ``max_abs_diff``, ``exact_fraction`` (bitwise-equal fp32 values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = "true_on_policy.parity/1"
+
+
+def make_prompts(n: int, vocab: int, seed: int, min_len: int = 4, max_len: int = 200) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int):
+    """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs)."""
+    kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
+                  log_level="error")
+    if mode == "stock":
+        import sglang
+
+        from true_on_policy import env
+
+        env.disable_overlay()
+        kwargs.update(attention_backend="triton", sampling_backend="pytorch",
+                      disable_custom_all_reduce=tp_size > 1)  # FA3 is not in the GPU bundle
+        engine, manifests = sglang.Engine(**kwargs), lambda: []
+    elif mode == "tpo":
+        from true_on_policy.engine import TrueOnPolicyEngine
+
+        engine = TrueOnPolicyEngine(**kwargs)
+        manifests = engine.manifests
+    else:
+        raise ValueError(f"unknown mode {mode!r}; use stock or tpo")
+    try:
+        params = [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
+                   "sampling_seed": seed * 100_003 + i} for i in range(len(prompts))]
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        result = []
+        for o in outs:
+            lp = o["meta_info"]["output_token_logprobs"]
+            result.append(([int(t[1]) for t in lp], [float(t[0]) for t in lp]))
+        return result, manifests(), kwargs
+    finally:
+        engine.shutdown()
+
+
+def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float):
+    """Hugging Face transformers recompute: fp32 log_softmax(logits / T) at each sampled token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
+    out = []
+    with torch.no_grad():
+        for ids, p in zip(sequences, prompt_lens):
+            x = torch.tensor([ids], device="cuda")
+            logits = model(input_ids=x).logits[0].float()
+            lp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+            tok = lp.gather(-1, x[0, 1:, None])[:, 0]
+            out.append(tok[p - 1:].cpu())
+    info = {"trainer": "transformers.Qwen3MoeForCausalLM", "dtype": "bfloat16",
+            "attn_implementation": model.config._attn_implementation}
+    del model
+    torch.cuda.empty_cache()
+    return out, info
+
+
+def compare(rollout_lps: list[list[float]], trainer_lps) -> dict:
+    import torch
+
+    r = torch.cat([torch.tensor(x, dtype=torch.float32) for x in rollout_lps])
+    t = torch.cat([x.to(torch.float32) for x in trainer_lps])
+    if r.shape != t.shape:
+        raise ValueError(f"rollout has {r.numel()} log-probs, trainer {t.numel()}")
+    d = (r.double() - t.double()).abs()
+    return {"tokens": int(r.numel()), "mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max()),
+            "exact_fraction": float((r == t).double().mean()), "exact_tokens": int((r == t).sum())}
+
+
+def git_commit() -> str:
+    if os.environ.get("TRUE_ON_POLICY_GIT_COMMIT"):
+        return os.environ["TRUE_ON_POLICY_GIT_COMMIT"]
+    try:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - a copy without .git
+        return "unknown"
+
+
+def run(args) -> dict:
+    import torch
+
+    from true_on_policy import DEFAULT_CONTRACT, tiny_model
+    from true_on_policy.contract import get_contract
+    from true_on_policy.manifest import package_versions
+    from true_on_policy.policy import read_architectures
+
+    model_path = args.model_path or tiny_model.ensure(args.geometry)
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    prompts = make_prompts(args.prompts, min(cfg["vocab_size"], 256), args.seed)
+    t0 = time.time()
+    outs, manifests, engine_kwargs = rollout(args.mode, model_path, prompts, args.new_tokens,
+                                             args.temperature, args.seed, args.tp_size)
+    t_rollout = time.time() - t0
+    seqs = [p + toks for p, (toks, _) in zip(prompts, outs)]
+    trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature)
+    stats = compare([lps for _, lps in outs], trainer)
+    contract = get_contract(DEFAULT_CONTRACT)
+    return {
+        "schema": SCHEMA,
+        "mode": args.mode,
+        "contract": contract.name if args.mode == "tpo" else None,
+        "fingerprint": contract.fingerprint if args.mode == "tpo" else None,
+        "git_commit": git_commit(),
+        "versions": package_versions(),
+        "device": torch.cuda.get_device_name(0),
+        "config": {"model_path": model_path, "architectures": read_architectures(model_path),
+                   "geometry": None if args.model_path else args.geometry, "prompts": args.prompts,
+                   "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed,
+                   "tp_size": args.tp_size, "engine_kwargs": engine_kwargs, **trainer_info},
+        **stats,
+        "rollout_seconds": round(t_rollout, 2),
+        "manifests": manifests,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m true_on_policy.parity", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("stock", "tpo"), required=True)
+    p.add_argument("--model-path")
+    p.add_argument("--geometry", default="embedded", help="tiny checkpoint to build when no --model-path")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--out", required=True, help="evidence JSON path")
+    args = p.parse_args(argv)
+    evidence = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(evidence, indent=1, sort_keys=True, default=str))
+    keys = ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "rollout_seconds")
+    print(json.dumps({k: evidence[k] for k in keys}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
