@@ -9,7 +9,8 @@ OUT_DIR=${1:-evidence/gpu-run}
 mkdir -p "$OUT_DIR"
 export TRUE_ON_POLICY_EVIDENCE_DIR=$OUT_DIR PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -c "import true_on_policy, sglang" 2>/dev/null || bash tests/gpu/dev_install.sh || exit 1
+python3 -c "from importlib.metadata import entry_points as e; assert any(x.name == 'true_on_policy' for x in e(group='sglang.srt.plugins'))" 2>/dev/null \
+  || bash tests/gpu/dev_install.sh || exit 1
 rc=0
 for mode in ${PARITY_MODES:-stock tpo}; do
   python3 -m true_on_policy.parity --mode "$mode" --prompts "${PARITY_PROMPTS:-64}" \
