@@ -1,0 +1,60 @@
+"""``python -m launch.server``: --dry-run plans without a GPU; bad input fails before GPU work."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import ROOT
+
+FP = "57f8676c58079da3e31012571e83c284761bcd80771662629bca98209e74e822"
+
+
+def _launch(*args, env_extra=None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_TRUE_ON_POLICY", "NCCL_"))}
+    e.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "launch.server", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=e, timeout=300)
+
+
+def test_dry_run_accepts_a_valid_plan(tiny_cache):
+    r = _launch("--true-on-policy", "--dry-run", "--tp-size", "2", "--ep-size", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads(r.stdout)
+    assert plan["fingerprint"] == FP and plan["contract"] == "qwen3_moe_true_on_policy_v1"
+    assert plan["embedded_model"] is True
+    assert plan["resolved"]["attention_backend"] == "triton" and plan["resolved"]["tp_size"] == 2
+    assert plan["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert "--disable-custom-all-reduce" in plan["argv"]
+
+
+def test_dry_run_rejects_a_bad_plan_listing_everything(tiny_cache):
+    r = _launch("--true-on-policy", "--dry-run", "--attention-backend", "fa3", "--enable-dp-attention",
+                "--quantization", "fp8", env_extra={"NCCL_NVLS_ENABLE": "1"})
+    assert r.returncode == 2
+    err = r.stderr
+    for subject in ("NCCL_NVLS_ENABLE", "--attention-backend"):
+        assert subject in err, err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_unknown_contract(tiny_cache):
+    r = _launch("--true-on-policy", "--true-on-policy-contract", "nope_v9", "--dry-run")
+    assert r.returncode == 2 and "known contracts: qwen3_moe_true_on_policy_v1" in r.stderr
+
+
+def test_dry_run_needs_true_on_policy():
+    r = _launch("--dry-run")
+    assert r.returncode == 2 and "--true-on-policy" in r.stderr
+
+
+def test_no_cuda_is_one_clear_line(tiny_cache):
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has CUDA")
+    r = _launch("--true-on-policy")
+    assert r.returncode == 1
+    assert "needs an NVIDIA GPU" in r.stderr and "Traceback" not in r.stderr

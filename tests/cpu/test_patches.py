@@ -1,0 +1,77 @@
+"""Patch mechanics against the real sglang 0.5.17: where the name is looked up, idempotent,
+reversible, loud on a missing symbol; manifest lists every replacement."""
+
+import pytest
+
+from helpers import run_py
+from true_on_policy import patching
+from true_on_policy.patching import PatchError
+
+
+def test_wrap_undo_idempotent_and_propagated():
+    code = """
+import sglang.srt.distributed.bootstrap as b
+import types, sys
+consumer = types.ModuleType('consumer_imported_before'); sys.modules['consumer_imported_before'] = consumer
+consumer.f = b._set_all_reduce_flags          # a `from bootstrap import _set_all_reduce_flags` binding
+keep = {'orig': b._set_all_reduce_flags}   # not a module global: propagation rewrites those
+orig = keep['orig']
+from true_on_policy import patching
+r1 = patching.wrap('sglang.srt.distributed.bootstrap._set_all_reduce_flags', patching.after(lambda *a, **k: None))
+r2 = patching.wrap('sglang.srt.distributed.bootstrap._set_all_reduce_flags', patching.after(lambda *a, **k: None))
+orig = keep['orig']
+assert r1 is r2 and b._set_all_reduce_flags is r1.new and r1.new.__wrapped__ is orig
+assert consumer.f is r1.new, 'consumer imported before apply must see the replacement'
+assert patching.undo('sglang.srt.distributed.bootstrap._set_all_reduce_flags')
+assert b._set_all_reduce_flags is orig and consumer.f is orig
+assert not patching.undo('sglang.srt.distributed.bootstrap._set_all_reduce_flags')
+print('ok')
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_apply_all_and_undo_all_restore_everything():
+    code = """
+from true_on_policy import patches, patching
+from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract import get_contract
+import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
+orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
+m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+lines = [l for p in m.patches for l in p.replacements]
+assert len(lines) == len(patching.applied()) == 4, lines
+assert all(': ' in l and ' -> ' in l for l in lines)
+assert patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler')) is m
+assert q.Qwen3MoeAttention.__init__ is not orig[0]
+assert sorted(patches.undo_all()) == sorted(l.split(':')[0] for l in lines)
+assert (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__) == orig
+print('ok')
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("target, needle", [
+    ("sglang.srt.models.qwen3_moe.Qwen3MoeAttention.forward_renamed", "no attribute 'forward_renamed'"),
+    ("sglang.srt.models.qwen3_moe_gone.Qwen3MoeAttention.__init__", "cannot be imported"),
+])
+def test_missing_symbol_raises_naming_it(target, needle):
+    with pytest.raises(PatchError) as e:
+        patching.wrap(target, patching.after(lambda *a, **k: None))
+    msg = str(e.value)
+    assert target in msg and needle in msg and "sglang==0.5.17" in msg
+
+
+def test_attention_patch_refuses_an_instance_without_the_flag():
+    from true_on_policy.patches import qwen3_moe
+
+    class Bare:
+        pass
+
+    with pytest.raises(PatchError, match="compatible_with_fused_kv_buffer"):
+        qwen3_moe._no_fused_kv_write(None, Bare())
+    ok = Bare()
+    ok.compatible_with_fused_kv_buffer = ok.use_fused_qk_norm_rope = True
+    qwen3_moe._no_fused_kv_write(None, ok)
+    assert ok.compatible_with_fused_kv_buffer is False and ok.use_fused_qk_norm_rope is False

@@ -1,0 +1,95 @@
+"""Runtime policy against the real, installed sglang 0.5.17 (resolution needs no GPU)."""
+
+import json
+
+import pytest
+
+from true_on_policy.contract import get_contract
+from true_on_policy.launch_plan import build_plan, build_plan_from_kwargs
+from true_on_policy.policy import PolicyError, check_env, check_model, check_versions
+
+C = get_contract("qwen3_moe_true_on_policy_v1")
+
+
+def _subjects(err: PolicyError) -> set[str]:
+    return {v.subject for v in err.violations}
+
+
+def test_valid_plan_resolves_forced_args(tiny_cache, clean_env):
+    plan = build_plan(C, [])
+    sa = plan.server_args
+    assert plan.embedded_model
+    for rule in C.args:
+        if rule.forced:
+            assert getattr(sa, rule.dest) == rule.force, rule.dest
+    assert plan.env["NCCL_NVLS_ENABLE"] == "0"
+
+
+@pytest.mark.parametrize("argv, subject", [
+    (["--attention-backend", "fa3"], "--attention-backend"),
+    (["--quantization", "fp8"], "--quantization"),
+    (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"], "--enable-dp-attention"),
+    (["--tp-size", "3"], "--tp-size"),
+    (["--enable-mixed-chunk"], "--enable-mixed-chunk"),
+    (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype"),
+    (["--enable-nccl-nvls"], "--enable-nccl-nvls"),
+    (["--enable-symm-mem"], "--enable-symm-mem"),
+    (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    (["--tp-size", "4", "--ep-size", "8"], "--ep-size"),
+])
+def test_each_forbidden_input_is_caught(tiny_cache, clean_env, argv, subject):
+    with pytest.raises(PolicyError) as e:
+        build_plan(C, argv)
+    assert subject in _subjects(e.value), str(e.value)
+
+
+def test_all_violations_listed_at_once(tiny_cache, clean_env):
+    clean_env.setenv("NCCL_NVLS_ENABLE", "1")
+    clean_env.setenv("SGLANG_PLUGINS", "someone_else")
+    with pytest.raises(PolicyError) as e:
+        build_plan(C, ["--attention-backend", "fa3", "--quantization", "fp8", "--enable-mixed-chunk",
+                       "--enable-torch-compile", "--tp-size", "3"])
+    got = _subjects(e.value)
+    assert {"NCCL_NVLS_ENABLE", "SGLANG_PLUGINS"} <= got  # env is checked before SGLang resolves
+    msg = str(e.value)
+    assert "violation(s)" in msg and "nothing was started" in msg
+
+
+def test_resolved_violations_listed_together(tiny_cache, clean_env):
+    with pytest.raises(PolicyError) as e:
+        build_plan(C, ["--attention-backend", "fa3", "--quantization", "fp8", "--enable-mixed-chunk",
+                       "--enable-torch-compile", "--tp-size", "3"])
+    assert {"--attention-backend", "--quantization", "--enable-mixed-chunk", "--enable-torch-compile",
+            "--tp-size"} <= _subjects(e.value)
+
+
+def test_kwargs_plan_rejects_contradicting_forced_value(tiny_cache, clean_env):
+    with pytest.raises(PolicyError) as e:
+        build_plan_from_kwargs(C, {"attention_backend": "flashinfer", "enable_mixed_chunk": True})
+    assert {"--attention-backend", "--enable-mixed-chunk"} <= _subjects(e.value)
+    plan = build_plan_from_kwargs(C, {"mem_fraction_static": 0.3})
+    assert plan.server_args.attention_backend == "triton"
+
+
+def test_wrong_model_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    [v] = check_model(C, str(tmp_path))
+    assert "LlamaForCausalLM" in v.found and "Qwen3MoeForCausalLM" in v.fix
+    [missing] = check_model(C, str(tmp_path / "nope"))
+    assert missing.subject == "--model-path"
+
+
+def test_wrong_versions_are_refused():
+    fake = {"sglang": "0.5.23", "torch": "2.11.0+cu130"}.get
+    [v] = check_versions(C, installed=fake)
+    assert v.subject == "sglang" and "0.5.17" in v.fix
+    assert check_versions(C, installed={"sglang": "0.5.17", "torch": "2.11.0+cu128"}.get) == []
+
+
+def test_env_rules():
+    assert check_env(C, {}) == []
+    bad = {"NCCL_NVLS_ENABLE": "1", "SGLANG_SIMULATE_UNIFORM_EXPERTS": "1", "SGLANG_PLUGINS": "a,b"}
+    assert {v.subject for v in check_env(C, bad)} == set(bad)
+    assert check_env(C, {"NCCL_NVLS_ENABLE": "0", "SGLANG_PLUGINS": "a, true_on_policy"}) == []
