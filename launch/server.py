@@ -1,7 +1,7 @@
 """``python -m launch.server [--true-on-policy [--true-on-policy-contract NAME] [--dry-run]] <sglang flags>``
 
 Thin by design: strip our flags, build and validate the launch plan, export the environment,
-add the manifest route, hand the resolved arguments to SGLang's own ``run_server``. Without
+add the manifest route, hand the resolved arguments to SGLang's own ``launch_server``. Without
 ``--true-on-policy`` this is exactly ``python -m sglang.launch_server`` (the overlay is inert).
 """
 
@@ -69,7 +69,6 @@ def _verifier(contract, server_args):
 
 
 def run_true_on_policy(plan) -> None:
-    from sglang.launch_server import run_server
     from sglang.srt.entrypoints import http_server
     from sglang.srt.utils import kill_process_tree
 
@@ -84,15 +83,12 @@ def run_true_on_policy(plan) -> None:
     add_manifest_route(http_server.app, plan.contract)
     verify = _verifier(plan.contract, plan.server_args)
     warmup = http_server._execute_server_warmup
-    try:
-        if plan.server_args.use_ray:
-            run_server(plan.server_args)
-        else:
-            http_server.launch_server(
-                plan.server_args,
-                execute_warmup_func=lambda sa: verify() and warmup(sa),
-                launch_callback=verify if plan.server_args.skip_server_warmup else None,
-            )
+    try:  # --use-ray is refused by the contract (Ray's scheduler actors never load plugins)
+        http_server.launch_server(
+            plan.server_args,
+            execute_warmup_func=lambda sa: verify() and warmup(sa),
+            launch_callback=verify if plan.server_args.skip_server_warmup else None,
+        )
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
 

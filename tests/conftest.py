@@ -62,7 +62,9 @@ def gpu_evidence():
         return
     from true_on_policy.manifest import package_versions
 
-    folder = Path(os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR", ROOT / "evidence" / "gpu-tier"))
+    from true_on_policy import env
+
+    folder = Path(env.EVIDENCE_DIR.get() or ROOT / "evidence" / "gpu-tier")
     folder.mkdir(parents=True, exist_ok=True)
     import torch
 

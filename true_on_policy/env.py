@@ -40,6 +40,15 @@ CACHE_DIR = EnvVar(
     "where the embedded tiny Qwen3-MoE checkpoint is built (default ~/.cache/true_on_policy)",
 )
 
+GIT_COMMIT = EnvVar(
+    "TRUE_ON_POLICY_GIT_COMMIT",
+    "commit recorded in parity evidence when the checkout has no .git (copies sent to a GPU host)",
+)
+EVIDENCE_DIR = EnvVar(
+    "TRUE_ON_POLICY_EVIDENCE_DIR",
+    "where the GPU test tier writes gpu-tier.json (default evidence/gpu-tier)",
+)
+
 # --- SGLang's, read by us -------------------------------------------------------------------
 SGLANG_PLUGINS = EnvVar(
     "SGLANG_PLUGINS",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -99,8 +98,10 @@ def compare(rollout_lps: list[list[float]], trainer_lps) -> dict:
 
 
 def git_commit() -> str:
-    if os.environ.get("TRUE_ON_POLICY_GIT_COMMIT"):
-        return os.environ["TRUE_ON_POLICY_GIT_COMMIT"]
+    from true_on_policy import env
+
+    if env.GIT_COMMIT.get():
+        return env.GIT_COMMIT.get()
     try:
         here = Path(__file__).resolve().parent
         return subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,

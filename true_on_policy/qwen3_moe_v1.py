@@ -143,6 +143,8 @@ ARGS = (
     _only("enable_hierarchical_cache", "--enable-hierarchical-cache", _OFF, "not validated", "drop it"),
     _only("weight_cache_mode", "--weight-cache-mode", ("off",), "not validated", "off"),
     _only("forward_hooks", "--forward-hooks", (None,), "user hooks can change activations", "leave it unset"),
+    _only("use_ray", "--use-ray", _OFF, "Ray's SchedulerActor never loads SGLang plugins, so the overlay "
+          "would be silently off", "run TrueOnPolicyEngine inside your Ray actor"),
 )
 
 ENV = (

@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "57f8676c58079da3e31012571e83c284761bcd80771662629bca98209e74e822"
+FP = "3b43724b75151835f59a6833a2168534208a0566a8f678d9b8ebe00bd8c95d6e"
 
 
 def _launch(*args, env_extra=None):

@@ -38,6 +38,7 @@ def test_valid_plan_resolves_forced_args(tiny_cache, clean_env):
     (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
     (["--tp-size", "4", "--ep-size", "8"], "--ep-size"),
+    (["--use-ray"], "--use-ray"),
 ])
 def test_each_forbidden_input_is_caught(tiny_cache, clean_env, argv, subject):
     with pytest.raises(PolicyError) as e:
