@@ -6,9 +6,10 @@ built) and returns the process's Manifest; ``undo_all()`` restores every replace
 
 from __future__ import annotations
 
+from true_on_policy.patches import qwen3_moe, tp_worker
+
 from true_on_policy import env, patching
 from true_on_policy.manifest import Manifest
-from true_on_policy.patches import qwen3_moe, tp_worker
 
 PATCHES = (tp_worker, qwen3_moe)
 

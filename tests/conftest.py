@@ -60,9 +60,8 @@ def gpu_evidence():
     yield records
     if not records:
         return
-    from true_on_policy.manifest import package_versions
-
     from true_on_policy import env
+    from true_on_policy.manifest import package_versions
 
     folder = Path(env.EVIDENCE_DIR.get() or ROOT / "evidence" / "gpu-tier")
     folder.mkdir(parents=True, exist_ok=True)

@@ -114,11 +114,11 @@ class Contract:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Contract":
+    def from_dict(cls, d: dict) -> Contract:
         return _build(cls, d)
 
     @classmethod
-    def from_json(cls, text: str) -> "Contract":
+    def from_json(cls, text: str) -> Contract:
         return cls.from_dict(json.loads(text))
 
     # --- lookups ----------------------------------------------------------------------------

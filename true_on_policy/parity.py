@@ -72,7 +72,7 @@ def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
     out = []
     with torch.no_grad():
-        for ids, p in zip(sequences, prompt_lens):
+        for ids, p in zip(sequences, prompt_lens, strict=True):
             x = torch.tensor([ids], device="cuda")
             logits = model(input_ids=x).logits[0].float()
             lp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
@@ -125,7 +125,7 @@ def run(args) -> dict:
     outs, manifests, engine_kwargs = rollout(args.mode, model_path, prompts, args.new_tokens,
                                              args.temperature, args.seed, args.tp_size)
     t_rollout = time.time() - t0
-    seqs = [p + toks for p, (toks, _) in zip(prompts, outs)]
+    seqs = [p + toks for p, (toks, _) in zip(prompts, outs, strict=True)]
     trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature)
     stats = compare([lps for _, lps in outs], trainer)
     contract = get_contract(DEFAULT_CONTRACT)

@@ -13,8 +13,9 @@ import functools
 import pkgutil
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 MARKER = "__true_on_policy_patch__"
 SUPPORTED_SGLANG = "0.5.17"

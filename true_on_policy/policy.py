@@ -42,7 +42,7 @@ class RuntimePolicy:
     role: str
 
     @classmethod
-    def from_env(cls, role: str) -> "RuntimePolicy":
+    def from_env(cls, role: str) -> RuntimePolicy:
         from true_on_policy import DEFAULT_CONTRACT
 
         return cls(get_contract(env.CONTRACT.get() or DEFAULT_CONTRACT), role)

@@ -4,8 +4,8 @@ import dataclasses
 import json
 
 import pytest
-
 from helpers import run_py
+
 from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get_contract, known_contracts
 
 NAME = "qwen3_moe_true_on_policy_v1"

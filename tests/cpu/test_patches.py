@@ -2,8 +2,8 @@
 reversible, loud on a missing symbol; manifest lists every replacement."""
 
 import pytest
-
 from helpers import run_py
+
 from true_on_policy import patching
 from true_on_policy.patching import PatchError
 
