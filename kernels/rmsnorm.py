@@ -1,0 +1,73 @@
+"""RMSNorm (plain, fused residual-add + norm, final norm) with the contract's rounding points.
+
+Math (Qwen3 / Hugging Face order), per row of ``hidden`` elements:
+    s   = bf16(x + residual)                      # residual variant only; s is the new residual
+    n   = bf16(s.float() * rsqrt(mean(s.float()^2) + eps))
+    out = bf16(weight * n)
+Invariance: row i of the output depends only on row i of the inputs and the weight. The sum of
+squares is accumulated in fp32 over fixed BLOCK-wide chunks, chunks added in index order; the
+block size depends on nothing but this constant, never on the number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # fixed: the reduction order must not depend on the token count (no autotune)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Plain torch, the clearest form. Returns ``out`` or ``(out, new_residual)``."""
+    s = x if residual is None else (x + residual)  # bf16 + bf16 rounds to bf16
+    xf = s.float()
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = weight * n
+    return out if residual is None else (out, s)
+
+
+@triton.jit
+def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, H, eps,
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # bf16 add: exact fp32 sum, one rounding
+            tl.store(RES_OUT + row * stride_ro + cols, s, mask=mask)
+        sf = s.to(tl.float32)
+        acc += sf * sf
+    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        if HAS_RES:
+            s = tl.load(RES_OUT + row * stride_ro + cols, mask=mask, other=0.0)
+        else:
+            s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        n = (s.to(tl.float32) * inv).to(s.dtype)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(OUT + row * stride_o + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Launcher: validates, allocates, one program per row. Same return as the reference."""
+    if x.dim() != 2 or x.shape[-1] != weight.shape[0] or x.stride(-1) != 1:
+        raise ValueError(f"rmsnorm: x must be [rows, {weight.shape[0]}] with unit last stride, got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError("rmsnorm: residual must match x in shape, dtype and unit last stride")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"rmsnorm: weight dtype {weight.dtype} != activation dtype {x.dtype} (contract: bf16 both)")
+    rows, h = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    r = residual if residual is not None else x
+    if rows:
+        _rmsnorm_kernel[(rows,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
+                                 res_out.stride(0), h, eps, HAS_RES=residual is not None, BLOCK=BLOCK)
+    return out if residual is None else (out, res_out)
