@@ -9,7 +9,6 @@ asserted bitwise. The GPU tier checks the rounding itself.
 import pytest
 import torch
 from helpers import run_py
-
 from true_on_policy.kernels.logprobs import token_logprobs_reference
 from true_on_policy.kernels.rmsnorm import rmsnorm_reference
 

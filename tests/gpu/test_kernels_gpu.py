@@ -3,7 +3,6 @@ bitwise batch invariance across token counts, fresh random inputs per case."""
 
 import pytest
 import torch
-
 from true_on_policy.kernels.logprobs import token_logprobs, token_logprobs_reference
 from true_on_policy.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 
