@@ -32,7 +32,7 @@ def _no_multicast_gather(_result, self, *args, **kwargs) -> None:
     gatherer._state = None
 
 
-def _write_manifest(_result, self, *args, **kwargs) -> None:
+def _write_manifest(contract, self) -> None:
     from true_on_policy import patches
 
     m = patches.current_manifest()
@@ -43,9 +43,6 @@ def _write_manifest(_result, self, *args, **kwargs) -> None:
         "tp": ps.tp_rank, "pp": ps.pp_rank, "ep": ps.moe_ep_rank, "tp_size": ps.tp_size,
         "pp_size": ps.pp_size, "ep_size": ps.moe_ep_size, "attn_tp": ps.attn_tp_rank, "gpu": ps.gpu_id,
     }
-    from true_on_policy.contract import get_contract
-
-    contract = get_contract(m.contract)
     m.extra["server_args"] = {r.dest: getattr(self.server_args, r.dest, None) for r in contract.args}
     m.extra["multicast_gatherer_off"] = True
     m.write()
@@ -57,7 +54,7 @@ def apply(policy) -> PatchRecord:
     reps = [
         wrap(BOOTSTRAP, after(_all_reduce_off)),
         wrap(LOGITS_INIT, after(_no_multicast_gather)),
-        wrap(WORKER_INIT, after(_write_manifest)),
+        wrap(WORKER_INIT, after(lambda _r, worker, *a, **k: _write_manifest(policy.contract, worker))),
     ]
     return PatchRecord("tp_worker", [r.describe() for r in reps],
                        ["custom/mscclpp/symm-mem all-reduce off", "logits multimem all-gather off"])

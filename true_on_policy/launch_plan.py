@@ -18,11 +18,11 @@ from true_on_policy.contract import Contract
 from true_on_policy.policy import (
     PolicyError,
     Violation,
-    _member,
     check_args,
     check_env,
     check_model,
     check_versions,
+    member,
 )
 
 
@@ -81,7 +81,7 @@ def user_conflicts(contract: Contract, given: dict, defaults: dict) -> list[Viol
         if not rule.forced or rule.dest not in given:
             continue
         mine = given[rule.dest]
-        if mine != defaults.get(rule.dest) and not _member(mine, rule.allowed):
+        if mine != defaults.get(rule.dest) and not member(mine, rule.allowed):
             out.append(Violation(rule.flag, f"you passed {mine!r}", f"the contract forces {rule.force!r} ({rule.why})"))
     return out
 

@@ -48,7 +48,7 @@ class RuntimePolicy:
         return cls(get_contract(env.CONTRACT.get() or DEFAULT_CONTRACT), role)
 
 
-def _member(value, allowed) -> bool:
+def member(value, allowed) -> bool:
     for a in allowed:
         if a is None or isinstance(a, bool) or isinstance(value, bool):
             if value is a:
@@ -66,7 +66,7 @@ def check_args(contract: Contract, server_args) -> list[Violation]:
                                  "install sglang==0.5.17"))
             continue
         value = getattr(server_args, rule.dest)
-        if not _member(value, rule.allowed):
+        if not member(value, rule.allowed):
             fix = (f"the contract forces {rule.force!r}; drop your value" if rule.forced
                    else f"allowed: {', '.join(map(repr, rule.allowed))}; instead: {rule.alternative}")
             out.append(Violation(rule.flag, f"{value!r} ({rule.why})", fix))
