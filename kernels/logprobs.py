@@ -1,19 +1,26 @@
-"""Token log-probs: fp32 ``log_softmax(logits / T)`` over the full vocabulary, at given tokens.
+"""Token log-probs: fp32 ``log_softmax(logits / T)`` over the full vocabulary, at given tokens;
+single-process and vocab-parallel forms with the same bits.
 
-Math, per row: z = fp32(logits) / T;  m = max(z);  lse = m + log(sum(exp(z - m)));
-lp = z[token] - lse. Invariance: row i depends only on row i. The max and the sum run over
-fixed VBLOCK-wide chunks in vocabulary order (within a chunk Triton's fixed reduction tree),
-never keyed on the number of rows. Vocab-parallel shards combine with ``combine_shards`` in
-rank order: m = max over shards, lse = m + log(sum_r exp(lse_r - m)).
+Math, per row: z = fp32(logits) / T. The vocabulary is cut into V = 8 virtual shards
+[s*Vocab/8, (s+1)*Vocab/8). Per shard: m_s = max z (fixed VBLOCK chunks in vocabulary order),
+e_s = sum exp(z - m_s) (same chunks, fp32). Shards combine in the pairwise tree
+((0,1),(2,3)),((4,5),(6,7)) with (m, e) + (m', e') = (M, e*exp(m - M) + e'*exp(m' - M)),
+M = max(m, m'). lse = M + log(E); result = z[token] - lse.
+Invariance: row i depends only on row i (one program per (row, shard); chunk order fixed; no
+dependence on the row count). A vocab-parallel degree t (1, 2, 4, 8) holds V/t whole shards:
+its shard statistics are all-gathered in fp32 and the same tree is finished, so TP changes
+nothing. The combine is elementwise torch (exact IEEE ops, deterministic).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 VBLOCK = 4096  # fixed chunk of the vocabulary (no autotune; independent of the row count)
+SHARDS = 8  # virtual vocabulary shards (the contract's V; TP degrees dividing it are supported)
 
 
 def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -22,37 +29,86 @@ def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, tempera
 
 
 @triton.jit
-def _logprobs_kernel(L, TOK, OUT, stride_l, V, T, VBLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _shard_stats_kernel(L, STATS, stride_l, SHARD, T, n_shards, VBLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    base = L + row * stride_l + s * SHARD
     m = tl.full([VBLOCK], float("-inf"), tl.float32)
-    for start in range(0, V, VBLOCK):
+    for start in range(0, SHARD, VBLOCK):
         cols = start + tl.arange(0, VBLOCK)
-        z = tl.load(L + row * stride_l + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / T
+        z = tl.load(base + cols, mask=cols < SHARD, other=float("-inf")).to(tl.float32) / T
         m = tl.maximum(m, z)
     mx = tl.max(m, axis=0)
     acc = tl.zeros([VBLOCK], dtype=tl.float32)
-    for start in range(0, V, VBLOCK):
+    for start in range(0, SHARD, VBLOCK):
         cols = start + tl.arange(0, VBLOCK)
-        z = tl.load(L + row * stride_l + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / T
+        z = tl.load(base + cols, mask=cols < SHARD, other=float("-inf")).to(tl.float32) / T
         acc += tl.exp(z - mx)
-    lse = mx + tl.log(tl.sum(acc, axis=0))
-    tok = tl.load(TOK + row)
-    zt = tl.load(L + row * stride_l + tok).to(tl.float32) / T
-    tl.store(OUT + row, zt - lse)
+    tl.store(STATS + (row * n_shards + s) * 2, mx)
+    tl.store(STATS + (row * n_shards + s) * 2 + 1, tl.sum(acc, axis=0))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Launcher: logits [rows, V] (any float dtype, unit last stride), tokens [rows] -> fp32 [rows]."""
+def _merge(a, b):
+    (ma, ea), (mb, eb) = a, b
+    mm = torch.maximum(ma, mb)
+    return mm, ea * torch.exp(ma - mm) + eb * torch.exp(mb - mm)
+
+
+def _tree(stats):
+    while len(stats) > 1:
+        stats = [_merge(stats[i], stats[i + 1]) for i in range(0, len(stats), 2)]
+    return stats[0]
+
+
+def shard_stats(logits: torch.Tensor, temperature: float, n_shards: int) -> torch.Tensor:
+    """[rows, n_shards, 2] fp32 (max, sum of exp) per shard of this logits slice."""
+    rows, v = logits.shape
+    if v % n_shards:
+        raise ValueError(f"token_logprobs: vocabulary slice {v} must divide into {n_shards} shards")
+    stats = torch.empty(rows, n_shards, 2, dtype=torch.float32, device=logits.device)
+    if rows:
+        _shard_stats_kernel[(rows, n_shards)](logits, stats, logits.stride(0), v // n_shards, float(temperature),
+                                              n_shards, VBLOCK=VBLOCK)
+    return stats
+
+
+def _check(logits, tokens, temperature, vocab):
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"token_logprobs: logits must be [rows, vocab] with unit last stride, got {tuple(logits.shape)}")
     if tokens.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs: tokens must be [{logits.shape[0]}], got {tuple(tokens.shape)}")
     if not temperature > 0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[1]):
+    if vocab % SHARDS:
+        raise ValueError(f"token_logprobs: vocabulary {vocab} must be a multiple of {SHARDS} (pad it)")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError("token_logprobs: token id out of the vocabulary")
-    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    if logits.shape[0]:
-        _logprobs_kernel[(logits.shape[0],)](logits, tokens.to(torch.int64).contiguous(), out, logits.stride(0),
-                                             logits.shape[1], float(temperature), VBLOCK=VBLOCK)
-    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, group=None,
+                   validate: bool = True) -> torch.Tensor:
+    """logits [rows, Vocab/t] (this rank's contiguous slice; any float dtype), tokens [rows]
+    (global ids) -> fp32 [rows], identical for every vocab-parallel degree t.
+    ``validate=False`` skips the token-range check (it syncs the device; CUDA graphs need that)."""
+    world = 1 if group is None else dist.get_world_size(group)
+    if world not in (1, 2, 4, 8):
+        raise ValueError(f"token_logprobs: vocab-parallel degree must divide {SHARDS}, got {world}")
+    vocab = logits.shape[1] * world
+    if validate:
+        _check(logits, tokens, temperature, vocab)
+    stats = shard_stats(logits, temperature, SHARDS // world)
+    tok = tokens.long()
+    if world > 1:
+        rank = dist.get_rank(group)
+        lo = rank * logits.shape[1]
+        mine = (tok >= lo) & (tok < lo + logits.shape[1])
+        z_tok = torch.where(mine, logits.gather(1, (tok - lo).clamp(0, logits.shape[1] - 1)[:, None])[:, 0].float()
+                            / temperature, 0.0)
+        gathered = [torch.empty_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats.contiguous(), group=group)
+        stats = torch.cat(gathered, dim=1)
+        dist.all_reduce(z_tok, group=group)  # one rank holds the token: x + 0 + ... is exact
+    else:
+        z_tok = logits.gather(1, tok[:, None])[:, 0].float() / temperature
+    m, e = _tree([(stats[:, s, 0], stats[:, s, 1]) for s in range(SHARDS)])
+    return z_tok - (m + torch.log(e))

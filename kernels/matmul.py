@@ -1,0 +1,173 @@
+"""Batch-invariant GEMM ``y = x @ W^T`` (plain, row-gathered and per-expert grouped), with an
+optional fixed tree over K segments (the building block of the TP-invariant reduction).
+
+Math: y[i, j] = tree_s( sum_{k in segment s} x[i, k] * W[j, k] ) in fp32, rounded once to the
+output dtype. With ``segments == 1`` this is an ordinary GEMM: the K loop runs in fixed BLOCK_K
+chunks from k = 0 upward, accumulating in fp32, no split-K. With ``segments = S`` (a power of
+two), K is cut into S equal ranges; each range is its own fp32 GEMM; the S partials are added in
+the pairwise tree ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))`` (``tree_sum``).
+Invariance: row i depends only on row i of x and on W (never on the number of rows, their
+order or the tile they share); column j depends only on row j of W, so splitting W's rows over
+ranks (column parallel) changes no output element. Tile sizes are constants (below), the same
+for every token count; ``M`` is not specialised by Triton (``do_not_specialize``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Fixed tiles (no autotune: the per-element instruction sequence must not depend on M).
+# COLUMN: plain GEMMs (qkv, gate_up, router, lm_head). ROW: the segment-tree GEMMs (o_proj,
+# down_proj), which keep up to four fp32 accumulators live, hence the smaller tile.
+COLUMN = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+ROW = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+MAX_SEGMENTS = 8
+# Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
+# fp32 dot is numpy BLAS, whose summation order depends on a row's place in the tile. Under
+# TRITON_INTERPRET=1 (CPU tier only) dots therefore run in fp64 (exact products of bf16) and
+# are rounded to fp32, so the CPU tier can check the kernels' tiling and masking bitwise.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tree_sum(parts):
+    """Pairwise tree over a power-of-two list, in list order: ((p0+p1)+(p2+p3))+..."""
+    parts = list(parts)
+    if len(parts) & (len(parts) - 1):
+        raise ValueError(f"tree_sum: need a power-of-two number of parts, got {len(parts)}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def matmul_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1) -> torch.Tensor:
+    """x [M, K], w [N, K] -> [M, N]: fp32 partial GEMM per K segment, tree-summed, one rounding."""
+    seg = x.shape[1] // segments
+    parts = [x[:, s * seg:(s + 1) * seg].float() @ w[:, s * seg:(s + 1) * seg].float().T for s in range(segments)]
+    return tree_sum(parts).to(out_dtype or x.dtype)
+
+
+@triton.jit
+def _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k0, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, SEG, BLOCK_K):
+        ks = kk + tl.arange(0, BLOCK_K)
+        k_ok = ks < SEG
+        a = tl.load(A + a_rows[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(B + cols[None, :] * stride_bn + (k0 + ks)[:, None] * stride_bk,
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
+                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                   HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        expert = tl.load(BLOCK_EXPERT + pid_m)
+        if expert < 0:
+            return
+        B += expert.to(tl.int64) * stride_be
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if HAS_IDX:
+        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
+        row_ok = row_ok & (a_rows >= 0)
+        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 0, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    if SEGMENTS >= 2:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
+        acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, SEG, SEG, stride_am, stride_ak, stride_bn,
+                                 stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    if SEGMENTS >= 4:
+        acc = acc + (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 2 * SEG, SEG, stride_am, stride_ak,
+                                  stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                     + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 3 * SEG, SEG, stride_am, stride_ak,
+                                    stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
+    if SEGMENTS >= 8:
+        left = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 4 * SEG, SEG, stride_am, stride_ak, stride_bn,
+                             stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 5 * SEG, SEG, stride_am, stride_ak, stride_bn,
+                               stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
+        right = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 6 * SEG, SEG, stride_am, stride_ak, stride_bn,
+                              stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                 + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 7 * SEG, SEG, stride_am, stride_ak, stride_bn,
+                                stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
+        acc = acc + (left + right)
+    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(C.dtype.element_ty),
+             mask=(out_rows < M)[:, None] & col_ok[None, :])
+
+
+def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg):
+    n, k = w.shape[-2], w.shape[-1]
+    if segments not in (1, 2, 4, 8) or k % segments:
+        raise ValueError(f"matmul: segments must be 1, 2, 4 or 8 and divide K={k}, got {segments}")
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    if rows and n:
+        _matmul_kernel[grid](
+            x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
+            rows, n, k // segments, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0,
+            w.stride(-2), w.stride(-1), out.stride(0), out.stride(1),
+            HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=segments, DOT_F32=INTERPRETED, **cfg)
+    return out
+
+
+def _check(x, w, name):
+    if x.dim() != 2 or x.shape[1] != w.shape[-1]:
+        raise ValueError(f"{name}: x must be [rows, {w.shape[-1]}], got {tuple(x.shape)}")
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: x and W must share a 16-bit float dtype, got {x.dtype} and {w.dtype}")
+
+
+def _tiles(segments: int, tree: bool | None) -> dict:
+    return ROW if (segments > 1 if tree is None else tree) else COLUMN
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, tree: bool | None = None):
+    """Launcher: x [M, K], w [N, K] -> [M, N] in ``out_dtype`` (default x.dtype; fp32 keeps the
+    unrounded accumulator). Tree GEMMs (``tree=True``, default when ``segments > 1``) use the
+    ROW tiles whatever their local segment count, so a TP=8 rank's single segment is computed
+    exactly like one of TP=1's eight."""
+    _check(x, w, "matmul")
+    if w.dim() != 2:
+        raise ValueError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    return _launch(x, w, out, None, None, x.shape[0], segments, _tiles(segments, tree))
+
+
+ALIGN = 128  # expert groups are padded to this many rows (a multiple of both tiles' BLOCK_M)
+
+
+def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, tree: bool | None = None):
+    """Per-expert GEMM over an expert-sorted row table (see ``moe.align``).
+
+    x [T, K]; w [E, N, K]; rows [P] (int, index into x or -1 for padding; P a multiple of
+    ALIGN); block_expert [P / ALIGN] (expert of each ALIGN-row block, -1 = unused block).
+    Returns [P, N]; padding rows and unused blocks are left undefined (never read). Row p depends only on x[rows[p]]
+    and w[expert]: never on how many rows its expert (or any other) received.
+    """
+    _check(x, w, "grouped_matmul")
+    cfg = _tiles(segments, tree)
+    if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
+        raise ValueError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
+    block_expert = block_expert.repeat_interleave(ALIGN // cfg["BLOCK_M"])
+    out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
+    return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
+

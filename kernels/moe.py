@@ -1,0 +1,223 @@
+"""Sparse MoE block: router, expert MLPs, fixed-order combine; single-process, TP and EP forms.
+
+Math (per token t, contract rows moe_router / moe_experts / moe_combine):
+  logits = bf16(x @ Wg^T)                         (batch-invariant GEMM)
+  p      = softmax(fp32(logits))                  (fp32, over all experts)
+  top-k  by value, ties to the lower expert id;   w_j = p_j / (p_0 + p_1 + ... ) (fp32, slot order)
+  g, u   = bf16(x @ W13_e^T) split in half        (gate first, then up: SGLang's w13, HF's gate_up)
+  h      = bf16(fp32(bf16(silu(fp32 g))) * fp32 u)  (= torch's bf16 silu(g) * u)
+  e_j    = down GEMM of h with the V = 8 segment tree over the intermediate dim, kept fp32
+  y      = bf16(((w_0 * e_0) + w_1 * e_1) + ...)  (fp32, slots in order 0..k-1, one rounding)
+Invariance: a token's expert outputs depend only on its own row and the expert's weights (never
+on how many tokens an expert received: per-expert grouped GEMM with fixed tiles). Composition
+with tensor parallel (intermediate dim split over t ranks): each rank's e_j is the subtree root
+of its V/t segments; the roots are all-gathered in fp32 and the tree finished in rank order
+*before* the combine. Expert parallel: the rank owning an expert computes e_j in full; the
+[tokens, k, hidden] slot outputs are summed over the EP group with zeros in non-owned slots
+(x + 0 is exact, so this is a gather), then the same combine. Neither degree changes a bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
+from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree
+
+HBLOCK = 1024  # combine: one token per program, hidden in fixed chunks (no dependence on T)
+IBLOCK = 1024  # silu*up: one row per program, intermediate in fixed chunks
+
+
+# ---------------------------------------------------------------- references (plain torch)
+def route_reference(logits: torch.Tensor, top_k: int, norm_topk: bool = True):
+    p = torch.softmax(logits.float(), dim=-1)
+    vals, ids = p.sort(dim=-1, descending=True, stable=True)  # stable: ties keep the lower id first
+    w, ids = vals[:, :top_k], ids[:, :top_k]
+    if norm_topk:
+        s = w[:, 0]
+        for j in range(1, top_k):
+            s = s + w[:, j]
+        w = w / s[:, None]
+    return w, ids
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u  # bf16 ops: silu in fp32 rounded, product rounded
+
+
+def combine_reference(e: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """e [T, k, H] fp32 slot outputs, w [T, k] fp32 -> [T, H]."""
+    acc = w[:, 0, None] * e[:, 0]
+    for j in range(1, e.shape[1]):
+        acc = acc + w[:, j, None] * e[:, j]
+    return acc.to(out_dtype)
+
+
+def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True):
+    """Whole block, one process, expert by expert in plain torch."""
+    logits = matmul_reference(x, router_w)
+    w, ids = route_reference(logits, top_k, norm_topk)
+    e = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    for ex in range(w13.shape[0]):
+        t, j = torch.where(ids == ex)
+        if t.numel():
+            h = silu_mul_reference(matmul_reference(x[t], w13[ex]))
+            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=VIRTUAL)
+    return combine_reference(e, w, x.dtype)
+
+
+# ---------------------------------------------------------------- kernels
+@triton.jit
+def _route_kernel(LOGITS, W_OUT, ID_OUT, stride_l, E, K: tl.constexpr, KP: tl.constexpr,
+                  BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    z = tl.load(LOGITS + row * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    ez = tl.exp(z - tl.max(z, axis=0))
+    p = ez / tl.sum(ez, axis=0)
+    p = tl.where(offs < E, p, -2.0)
+    slots = tl.arange(0, KP)
+    wk = tl.zeros([KP], dtype=tl.float32)
+    ik = tl.zeros([KP], dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # ties: the lower expert id
+        wk = tl.where(slots == j, best, wk)
+        ik = tl.where(slots == j, idx, ik)
+        total = total + best  # slot order
+        p = tl.where(offs == idx, -1.0, p)
+    if NORM:
+        wk = wk / total
+    tl.store(W_OUT + row * K + slots, wk, mask=slots < K)
+    tl.store(ID_OUT + row * K + slots, ik, mask=slots < K)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_g, stride_o, I, IBLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    for start in range(0, I, IBLOCK):
+        cols = start + tl.arange(0, IBLOCK)
+        m = cols < I
+        g = tl.load(GU + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_g + I + cols, mask=m, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+        tl.store(OUT + row * stride_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
+
+
+@triton.jit
+def _combine_kernel(E_OUT, POS, W, Y, stride_e, stride_y, H, K: tl.constexpr, HBLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    for start in range(0, H, HBLOCK):
+        cols = start + tl.arange(0, HBLOCK)
+        m = cols < H
+        acc = tl.zeros([HBLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            p = tl.load(POS + t * K + j).to(tl.int64)
+            wj = tl.load(W + t * K + j)
+            e = tl.load(E_OUT + p * stride_e + cols, mask=m, other=0.0)
+            prod = wj * e
+            acc = acc + prod
+        tl.store(Y + t * stride_y + cols, acc.to(Y.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------- launchers
+def route(logits: torch.Tensor, top_k: int, norm_topk: bool = True):
+    """logits [T, E] (bf16) -> (weights fp32 [T, k], expert ids int32 [T, k])."""
+    t, e = logits.shape
+    if not 0 < top_k <= e or e > 1024:
+        raise ValueError(f"route: need 0 < top_k <= experts <= 1024, got top_k={top_k}, experts={e}")
+    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, w, ids, logits.stride(0), e, K=top_k, KP=triton.next_power_of_2(top_k),
+                            BLOCK_E=triton.next_power_of_2(e), NORM=norm_topk)
+    return w, ids
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    p, two_i = gate_up.shape
+    out = torch.empty(p, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+    if p:
+        _silu_mul_kernel[(p,)](gate_up, out, gate_up.stride(0), out.stride(0), two_i // 2, IBLOCK=IBLOCK)
+    return out
+
+
+def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """y[t] = sum_j w[t, j] * e_out[pos[t, j]] in fp32, slot order, one rounding."""
+    t, k = w.shape
+    y = torch.empty(t, e_out.shape[1], dtype=out_dtype, device=e_out.device)
+    if t:
+        _combine_kernel[(t,)](e_out, pos.to(torch.int32).contiguous(), w.contiguous(), y, e_out.stride(0),
+                              y.stride(0), e_out.shape[1], K=k, HBLOCK=HBLOCK)
+    return y
+
+
+def align(ids: torch.Tensor, first_expert: int, num_local: int):
+    """Expert-sorted row table, sync-free (CUDA-graph safe), padded per expert to ALIGN rows.
+
+    Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1) and
+    pos [T*k] (row of slot (t, j) in the table, -1 when the expert is not local). Within an
+    expert, slots keep (token, slot) order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks.
+    """
+    t, k = ids.shape
+    dev = ids.device
+    flat = ids.reshape(-1).to(torch.int64) - first_expert
+    local = (flat >= 0) & (flat < num_local)
+    e = torch.where(local, flat, num_local)
+    order = torch.argsort(e, stable=True)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev).index_add_(0, e, torch.ones_like(e))
+    counts = counts[:num_local]
+    blocks = (counts + ALIGN - 1) // ALIGN
+    start_block = torch.cumsum(blocks, 0) - blocks
+    start_count = torch.cumsum(counts, 0) - counts
+    n_blocks = triton.cdiv(t * k, ALIGN) + num_local
+    se = e[order]
+    valid = se < num_local
+    sec = se.clamp(max=num_local - 1)
+    dest = start_block[sec] * ALIGN + torch.arange(t * k, device=dev) - start_count[sec]
+    dest = torch.where(valid, dest, n_blocks * ALIGN)
+    rows = torch.full((n_blocks * ALIGN + 1,), -1, dtype=torch.int64, device=dev)
+    rows.scatter_(0, dest, order // k)
+    pos = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
+    pos.scatter_(0, order, torch.where(valid, dest, -1))
+    be = torch.searchsorted(torch.cumsum(blocks, 0), torch.arange(n_blocks, device=dev), right=True)
+    be = torch.where(be < num_local, be, -1)
+    return rows[:-1], be.to(torch.int32), pos
+
+
+def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.Tensor:
+    """fp32 [T*k, H] slot-major outputs of this rank's experts (their subtree roots when the
+    intermediate dim is sharded); zero in the slots of experts owned elsewhere."""
+    rows, block_expert, pos = align(ids, first_expert, w13.shape[0])
+    e_sorted = _expert_sorted(x, rows, block_expert, w13, w2, segments)
+    return torch.where((pos >= 0)[:, None], e_sorted[pos.clamp(min=0)], 0.0)
+
+
+def _expert_sorted(x, rows, block_expert, w13, w2, segments):
+    h = silu_mul(grouped_matmul(x, w13, rows, block_expert))
+    down_rows = torch.where(rows >= 0, torch.arange(rows.shape[0], device=x.device), -1)
+    return grouped_matmul(h, w2, down_rows, block_expert, torch.float32, segments, tree=True)
+
+
+def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None):
+    """The block. x [T, H] (all tokens, on every rank); router_w [E, H] (all experts);
+    w13 [E_local, 2*I/tp, H], w2 [E_local, H, I/tp] (this rank's experts and intermediate slice).
+    EP rank r owns experts [r*E_local, (r+1)*E_local). Same bits for every TP and EP degree."""
+    e_total, e_local = router_w.shape[0], w13.shape[0]
+    ep = _world(ep_group)
+    if e_local * ep != e_total:
+        raise ValueError(f"moe: {e_local} local experts x EP {ep} != {e_total} router experts")
+    segments = _segments_for(_world(tp_group), w2.shape[2])
+    w, ids = route(matmul(x, router_w), top_k, norm_topk)
+    if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
+        rows, block_expert, pos = align(ids, 0, e_local)
+        return combine(_expert_sorted(x, rows, block_expert, w13, w2, segments), pos.view(-1, top_k), w, x.dtype)
+    first = (dist.get_rank(ep_group) if ep > 1 else 0) * e_local
+    e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments), tp_group)
+    if ep > 1:
+        dist.all_reduce(e, group=ep_group)  # each slot is non-zero on exactly one rank: exact
+    return combine(e, torch.arange(e.shape[0], device=x.device).view(-1, top_k), w, x.dtype)

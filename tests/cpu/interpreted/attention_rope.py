@@ -1,0 +1,41 @@
+"""Interpreted: attention through an index table (paged == contiguous, decode == prefill ==
+chunked prefill, across 64-key block boundaries), RoPE apply invariance."""
+import torch
+from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
+from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
+
+g = torch.Generator().manual_seed(0)
+for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
+    L = 150
+    q = torch.randn(L, hq, d, generator=g).bfloat16()
+    k, v = (torch.randn(L, hkv, d, generator=g).bfloat16() for _ in range(2))
+    kv, st, ln, p0 = contiguous_layout(1, L)
+    full = attention(q, k, v, kv, st, ln, p0, L)
+    torch.testing.assert_close(full.float(), attention_reference(q, k, v, kv, st, ln, p0).float(), rtol=2e-2, atol=2e-2)
+    perm = torch.randperm(L + 7, generator=g)[:L]  # a paged pool with holes
+    kb, vb = torch.randn(L + 7, hkv, d).bfloat16(), torch.randn(L + 7, hkv, d).bfloat16()
+    kb[perm], vb[perm] = k, v
+    table = perm.int()[None]
+    assert torch.equal(attention(q, kb, vb, table, st, ln, p0, L), full)
+    for p in (0, 1, 63, 64, 65, 127, 128, 149):  # one decode step at position p
+        one = attention(q[p:p + 1].clone(), kb, vb, table, *(torch.tensor([a]) for a in (0, 1, p)), 1)
+        assert torch.equal(one[0], full[p]), (hq, p)
+    for pre in (1, 64, 70):  # chunked prefill after a cached prefix of `pre` tokens
+        rest = attention(q[pre:].clone(), kb, vb, table, *(torch.tensor([a]) for a in (0, L - pre, pre)), L - pre)
+        assert torch.equal(rest, full[pre:]), (hq, pre)
+    # two sequences in one launch (ragged), second one right after the first in q
+    q2 = torch.cat([q[:40], q[:L]])
+    kv2 = torch.stack([table[0], table[0]])
+    both = attention(q2, kb, vb, kv2, torch.tensor([0, 40]), torch.tensor([40, L]), torch.tensor([0, 0]), L)
+    assert torch.equal(both[:40], full[:40]) and torch.equal(both[40:], full)
+    c, s = cos_sin(torch.arange(L), d, 1e6)
+    r = apply_rope(q, c, s)
+    torch.testing.assert_close(r.float(), apply_rope_reference(q, c, s).float(), rtol=2e-2, atol=4e-2)
+    assert torch.equal(apply_rope(q[5:9].clone(), c[5:9], s[5:9]), r[5:9])
+try:
+    attention(torch.randn(3, 3, 64).bfloat16(), k, v, kv, st, ln, p0, 3)
+except ValueError:
+    pass
+else:
+    raise AssertionError("bad head layout accepted")
+print("interpreted-ok")
