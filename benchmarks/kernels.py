@@ -1,0 +1,155 @@
+"""Kernel benchmark at Qwen3-30B-A3B shapes: our invariant kernels vs the usual fast path.
+
+    PYTHONPATH=. python benchmarks/kernels.py [--tokens 1 64 4096] [--out bench.json]
+
+Prints one table: op, tokens, our median time, the baseline's median time and the speed ratio
+(baseline time / our time; 1.0 = as fast). Medians of ``triton.testing.do_bench`` (events,
+warm-up first), both sides in the same process on the same inputs. Baselines: cuBLAS through
+torch for GEMMs, SGLang 0.5.17's Triton kernels (decode attention, fused MoE) and sgl-kernel's
+RMSNorm where importable, torch SDPA for prefill attention, torch for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+from true_on_policy.kernels.attention import attention, contiguous_layout
+from true_on_policy.kernels.logprobs import token_logprobs
+from true_on_policy.kernels.matmul import matmul
+from true_on_policy.kernels.moe import moe
+from true_on_policy.kernels.rmsnorm import rmsnorm
+from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
+from true_on_policy.kernels.tree_reduce import row_linear
+
+H, HQ, HKV, D, E, K, INTER, VOCAB, CTX = 2048, 32, 4, 128, 128, 8, 768, 151936, 1024
+
+
+def _bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _r(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).bfloat16()
+
+
+def _sgl_rmsnorm():
+    try:
+        from sgl_kernel import rmsnorm as f
+        return "sgl_kernel.rmsnorm", f
+    except Exception:  # noqa: BLE001
+        return None, None
+
+
+def _sgl_decode():
+    try:
+        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+        return decode_attention_fwd
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _sgl_fused_moe():
+    try:
+        from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_moe
+        from sglang.srt.layers.moe.topk import StandardTopKOutput
+        return fused_moe, MoeRunnerConfig, StandardTopKOutput
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def rows_for(t):
+    out = []
+    x = _r(t, H)
+    w = (1 + 0.1 * torch.randn(H, device="cuda")).bfloat16()
+    name, f = _sgl_rmsnorm()
+    base = (name, lambda: f(x, w, 1e-6)) if f else ("torch (HF order)", lambda: (
+        w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()))
+    out.append(("rmsnorm", t, lambda: rmsnorm(x, w, 1e-6), *base))
+    for op, n, k in (("qkv_proj GEMM", (HQ + 2 * HKV) * D, H), ("router GEMM", E, H), ("lm_head GEMM", VOCAB, H)):
+        xa, wa = _r(t, k), _r(n, k, scale=0.02)
+        out.append((op, t, lambda xa=xa, wa=wa: matmul(xa, wa), "cuBLAS (torch.mm)", lambda xa=xa, wa=wa: xa @ wa.T))
+    xo, wo = _r(t, HQ * D), _r(H, HQ * D, scale=0.02)
+    out.append(("o_proj GEMM + tree (TP1)", t, lambda: row_linear(xo, wo), "cuBLAS (torch.mm)", lambda: xo @ wo.T))
+    q = _r(t, HQ + HKV, D)
+    c, s = cos_sin(torch.arange(t, device="cuda"), D, 1e6)
+    out.append(("rope (q and k heads)", t, lambda: apply_rope(q, c, s), "torch fp32 (reference)",
+                lambda: apply_rope_reference(q, c, s)))
+    qp, kp, vp = _r(t, HQ, D), _r(t, HKV, D), _r(t, HKV, D)
+    lay = contiguous_layout(1, t, "cuda")
+    qs, ks, vs = qp.transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
+    out.append(("attention prefill (1 seq)", t, lambda: attention(qp, kp, vp, *lay, t), "torch SDPA (flash)",
+                lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)))
+    # decode: t sequences, CTX keys each, one query each, paged pool
+    kb, vb = _r(t * CTX, HKV, D), _r(t * CTX, HKV, D)
+    table = torch.randperm(t * CTX, device="cuda").int().view(t, CTX)
+    qd = _r(t, HQ, D)
+    starts = torch.arange(t, device="cuda", dtype=torch.int32)
+    ones, pos = torch.ones_like(starts), torch.full_like(starts, CTX - 1)
+    dec = _sgl_decode()
+    if dec:
+        splits = 8
+        o = torch.empty_like(qd)
+        indptr = torch.arange(t + 1, device="cuda", dtype=torch.int32) * CTX
+        logits = torch.empty(t, HQ, splits, D, dtype=torch.float32, device="cuda")
+        lse = torch.empty(t, HQ, splits, dtype=torch.float32, device="cuda")
+        nsplit = torch.full((t,), splits, dtype=torch.int32, device="cuda")
+        flat = table.reshape(-1).contiguous()
+        base = ("sglang triton decode", lambda: dec(qd, kb, vb, o, indptr, flat, logits, lse, nsplit, splits,
+                                                    1 / math.sqrt(D), 1.0, 1.0))
+    else:
+        base = ("n/a (sglang not importable)", None)
+    out.append((f"attention decode (ctx {CTX})", t, lambda: attention(qd, kb, vb, table, starts, ones, pos, 1), *base))
+    xm, rw = _r(t, H), _r(E, H, scale=0.05)
+    w13, w2 = _r(E, 2 * INTER, H, scale=0.03), _r(E, H, INTER, scale=0.03)
+    fm = _sgl_fused_moe()
+    if fm:
+        fused_moe, cfg, topk_out = fm
+
+        def base_moe():
+            lg = xm @ rw.T
+            wts, ids = torch.topk(torch.softmax(lg.float(), -1), K, -1)
+            wts = wts / wts.sum(-1, keepdim=True)
+            return fused_moe(xm, w13, w2, topk_out(wts, ids.int(), lg), cfg(inplace=False))
+        base = ("router (torch) + sglang fused_moe", base_moe)
+    else:
+        base = ("n/a (sglang not importable)", None)
+    out.append(("MoE block (E128 top8)", t, lambda: moe(xm, rw, w13, w2, K), *base))
+    lg, tok = _r(t, VOCAB, scale=3), torch.randint(0, VOCAB, (t,), device="cuda")
+    out.append(("token log-probs", t, lambda: token_logprobs(lg, tok, 0.7, validate=False), "torch log_softmax+gather",
+                lambda: torch.log_softmax(lg.float() / 0.7, -1).gather(-1, tok[:, None])))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    table = []
+    for t in args.tokens:
+        for op, n, ours, base_name, base in rows_for(t):
+            ours_ms = _bench(ours)
+            try:
+                base_ms = _bench(base) if base else float("nan")
+            except Exception as e:  # noqa: BLE001  (a baseline's failure is reported, not fatal)
+                base_name, base_ms = f"{base_name}: {type(e).__name__}: {str(e)[:80]}", float("nan")
+            table.append({"op": op, "tokens": n, "ours_ms": ours_ms, "baseline": base_name, "baseline_ms": base_ms,
+                          "speed_ratio": base_ms / ours_ms})
+            torch.cuda.empty_cache()
+    print("| op | tokens | ours ms | baseline | baseline ms | speed (base/ours) |\n|---|---:|---:|---|---:|---:|")
+    for r in table:
+        print(f"| {r['op']} | {r['tokens']} | {r['ours_ms']:.4f} | {r['baseline']} | {r['baseline_ms']:.4f} | "
+              f"{r['speed_ratio']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
