@@ -17,7 +17,8 @@ def test_two_gpu_collectives_bitwise(tmp_path, gpu_evidence):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (device kind nvidia-h200-x2)")
     out = tmp_path / "dist.json"
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         str(ROOT / "tests" / "gpu" / "dist_kernels.py"), str(out)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
