@@ -36,30 +36,64 @@ def _r(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).bfloat16()
 
 
-def _sgl_rmsnorm():
-    try:
-        from sgl_kernel import rmsnorm as f
-        return "sgl_kernel.rmsnorm", f
-    except Exception:  # noqa: BLE001
-        return None, None
+IMPORT_ERRORS: dict[str, str] = {}
 
 
-def _sgl_decode():
+def _try(name, fn):
     try:
-        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
-        return decode_attention_fwd
-    except Exception:  # noqa: BLE001
+        return fn()
+    except Exception as e:  # noqa: BLE001  (reported in the table, not fatal)
+        IMPORT_ERRORS[name] = f"{type(e).__name__}: {str(e)[:100]}"
         return None
 
 
+def _sgl_rmsnorm():
+    def imp():
+        from sgl_kernel import rmsnorm as f
+        return f
+    f = _try("sgl_kernel.rmsnorm", imp)
+    return ("sgl_kernel.rmsnorm", f) if f else (None, None)
+
+
+def _sgl_decode():
+    def imp():
+        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+        return decode_attention_fwd
+    return _try("sglang decode_attention_fwd", imp)
+
+
 def _sgl_fused_moe():
-    try:
+    def imp():
         from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
         from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_moe
         from sglang.srt.layers.moe.topk import StandardTopKOutput
         return fused_moe, MoeRunnerConfig, StandardTopKOutput
-    except Exception:  # noqa: BLE001
-        return None
+    return _try("sglang fused_moe", imp)
+
+
+SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=5)]
+
+
+def sweep(tokens):
+    """Tile candidates for the fixed configs (speed only; any fixed config is invariant)."""
+    from true_on_policy.kernels.matmul import _launch
+    print("\n| GEMM | tokens | config | ms | cuBLAS ms | speed |\n|---|---:|---|---:|---:|---:|")
+    for t in tokens:
+        for op, n, k, seg in (("qkv", 5120, H, 1), ("lm_head", VOCAB, H, 1), ("o_proj split x8", H, HQ * D, 8)):
+            x, w = _r(t, k), _r(n, k, scale=0.02)
+            base = _bench(lambda x=x, w=w: x @ w.T)
+            for cfg in SWEEP:
+                out = torch.empty((seg, t, n) if seg > 1 else (t, n), dtype=torch.float32 if seg > 1 else x.dtype,
+                                  device="cuda")
+                ms = _bench(lambda x=x, w=w, out=out, cfg=cfg: _launch(x, w, out, None, None, t, seg, cfg, seg > 1))
+                tag = "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
+                    f" w{cfg['num_warps']} s{cfg['num_stages']}"
+                print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} |")
 
 
 def rows_for(t):
@@ -129,6 +163,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     ap.add_argument("--out")
+    ap.add_argument("--sweep", action="store_true", help="also time GEMM tile candidates")
     args = ap.parse_args(argv)
     table = []
     for t in args.tokens:
@@ -145,10 +180,15 @@ def main(argv=None):
     for r in table:
         print(f"| {r['op']} | {r['tokens']} | {r['ours_ms']:.4f} | {r['baseline']} | {r['baseline_ms']:.4f} | "
               f"{r['speed_ratio']:.2f} |")
+    for name, err in IMPORT_ERRORS.items():
+        print(f"baseline {name} not importable: {err}")
+    if args.sweep:
+        sweep(args.tokens)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": table}, f, indent=1)
+                       "triton": triton.__version__, "rows": table, "baseline_import_errors": IMPORT_ERRORS},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ M = max(m, m'). lse = M + log(E); result = z[token] - lse.
 Invariance: row i depends only on row i (one program per (row, shard); chunk order fixed; no
 dependence on the row count). A vocab-parallel degree t (1, 2, 4, 8) holds V/t whole shards:
 its shard statistics are all-gathered in fp32 and the same tree is finished, so TP changes
-nothing. The combine is elementwise torch (exact IEEE ops, deterministic).
+nothing. The tree runs in ``_finish_kernel`` (elementwise over rows; one launch), used by
+both forms; ``_tree`` is its plain-torch statement for the tests.
 """
 
 from __future__ import annotations
@@ -46,6 +47,46 @@ def _shard_stats_kernel(L, STATS, stride_l, SHARD, T, n_shards, VBLOCK: tl.const
         acc += tl.exp(z - mx)
     tl.store(STATS + (row * n_shards + s) * 2, mx)
     tl.store(STATS + (row * n_shards + s) * 2 + 1, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _merge_stats(ma, ea, mb, eb):
+    mm = tl.maximum(ma, mb)
+    return mm, ea * tl.exp(ma - mm) + eb * tl.exp(mb - mm)
+
+
+@triton.jit
+def _finish_kernel(STATS, ZTOK, OUT, ROWS, BLOCK: tl.constexpr):
+    """The fixed shard tree for BLOCK rows at once: ((0,1),(2,3)),((4,5),(6,7))."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < ROWS
+    base = STATS + r * 16
+    m0, e0 = tl.load(base + 0, mask=ok, other=0.0), tl.load(base + 1, mask=ok, other=1.0)
+    m1, e1 = tl.load(base + 2, mask=ok, other=0.0), tl.load(base + 3, mask=ok, other=1.0)
+    m2, e2 = tl.load(base + 4, mask=ok, other=0.0), tl.load(base + 5, mask=ok, other=1.0)
+    m3, e3 = tl.load(base + 6, mask=ok, other=0.0), tl.load(base + 7, mask=ok, other=1.0)
+    m4, e4 = tl.load(base + 8, mask=ok, other=0.0), tl.load(base + 9, mask=ok, other=1.0)
+    m5, e5 = tl.load(base + 10, mask=ok, other=0.0), tl.load(base + 11, mask=ok, other=1.0)
+    m6, e6 = tl.load(base + 12, mask=ok, other=0.0), tl.load(base + 13, mask=ok, other=1.0)
+    m7, e7 = tl.load(base + 14, mask=ok, other=0.0), tl.load(base + 15, mask=ok, other=1.0)
+    m01, e01 = _merge_stats(m0, e0, m1, e1)
+    m23, e23 = _merge_stats(m2, e2, m3, e3)
+    m45, e45 = _merge_stats(m4, e4, m5, e5)
+    m67, e67 = _merge_stats(m6, e6, m7, e7)
+    ma, ea = _merge_stats(m01, e01, m23, e23)
+    mb, eb = _merge_stats(m45, e45, m67, e67)
+    m, e = _merge_stats(ma, ea, mb, eb)
+    z = tl.load(ZTOK + r, mask=ok, other=0.0)
+    tl.store(OUT + r, z - (m + tl.log(e)), mask=ok)
+
+
+def finish(stats: torch.Tensor, z_tok: torch.Tensor) -> torch.Tensor:
+    """stats [rows, 8, 2] fp32 (all shards, in vocabulary order), z_tok [rows] fp32 -> log-probs."""
+    out = torch.empty(stats.shape[0], dtype=torch.float32, device=stats.device)
+    if stats.shape[0]:
+        _finish_kernel[(triton.cdiv(stats.shape[0], 128),)](stats.contiguous(), z_tok.contiguous(), out,
+                                                             stats.shape[0], BLOCK=128)
+    return out
 
 
 def _merge(a, b):
@@ -110,5 +151,4 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         dist.all_reduce(z_tok, group=group)  # one rank holds the token: x + 0 + ... is exact
     else:
         z_tok = logits.gather(1, tok[:, None])[:, 0].float() / temperature
-    m, e = _tree([(stats[:, s, 0], stats[:, s, 1]) for s in range(SHARDS)])
-    return z_tok - (m + torch.log(e))
+    return finish(stats, z_tok)

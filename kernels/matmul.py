@@ -70,11 +70,15 @@ def _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k0, SEG, stride_am, stride_
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
-                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                   HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
+                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
+                   HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    k_base = 0
+    if SPLIT:  # one K segment per program along grid axis 2, written to its own fp32 plane
+        k_base = tl.program_id(2) * SEG
+        C += tl.program_id(2).to(tl.int64) * stride_cs
     if GROUPED:
         expert = tl.load(BLOCK_EXPERT + pid_m)
         if expert < 0:
@@ -90,7 +94,7 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
         a_rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 0, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+    acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base, SEG, stride_am, stride_ak, stride_bn, stride_bk,
                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
     if SEGMENTS >= 2:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
         acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, SEG, SEG, stride_am, stride_ak, stride_bn,
@@ -115,17 +119,50 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
              mask=(out_rows < M)[:, None] & col_ok[None, :])
 
 
-def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg):
+@triton.jit
+def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    r = tl.load(P + offs, mask=m)
+    if S >= 2:
+        r = r + tl.load(P + stride_s + offs, mask=m)
+    if S >= 4:
+        r = r + (tl.load(P + 2 * stride_s + offs, mask=m) + tl.load(P + 3 * stride_s + offs, mask=m))
+    if S >= 8:
+        left = tl.load(P + 4 * stride_s + offs, mask=m) + tl.load(P + 5 * stride_s + offs, mask=m)
+        right = tl.load(P + 6 * stride_s + offs, mask=m) + tl.load(P + 7 * stride_s + offs, mask=m)
+        r = r + (left + right)
+    tl.store(OUT + offs, r.to(OUT.dtype.element_ty), mask=m)
+
+
+def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False):
     n, k = w.shape[-2], w.shape[-1]
     if segments not in (1, 2, 4, 8) or k % segments:
         raise ValueError(f"matmul: segments must be 1, 2, 4 or 8 and divide K={k}, got {segments}")
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), segments if split else 1)
     if rows and n:
         _matmul_kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, k // segments, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0,
-            w.stride(-2), w.stride(-1), out.stride(0), out.stride(1),
-            HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=segments, DOT_F32=INTERPRETED, **cfg)
+            w.stride(-2), w.stride(-1), out.stride(-2), out.stride(-1), out.stride(0) if split else 0,
+            HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=1 if split else segments,
+            SPLIT=split, DOT_F32=INTERPRETED, **cfg)
+    return out
+
+
+def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None) -> torch.Tensor:
+    """Same math and bits as ``matmul(x, w, segments=S, tree=True)``: each K segment's fp32
+    partial is computed by its own program (ROW tiles, grid axis 2) into an [S, M, N] fp32
+    workspace, then ``_tree_kernel`` adds the planes in the same pairwise tree. More programs
+    (good for few rows) and no register pressure from live subtree roots (good for many rows),
+    at the cost of S x M x N x 4 bytes of transient memory."""
+    _check(x, w, "split_matmul")
+    m, n = x.shape[0], w.shape[0]
+    parts = torch.empty(segments, m, n, dtype=torch.float32, device=x.device)
+    _launch(x, w, parts, None, None, m, segments, ROW, split=True)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m * n:
+        _tree_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, parts.stride(0), S=segments, BLOCK=1024)
     return out
 
 

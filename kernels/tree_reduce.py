@@ -1,7 +1,7 @@
 """Row-parallel linear with a TP-invariant reduction (o_proj, down_proj), in three forms.
 
 Math: K (the input dimension) is cut into V = 8 virtual segments; each segment's partial GEMM
-is an fp32 [M, N]; the partials are added in the fixed pairwise tree
+is an fp32 [M, N] (``split_matmul``: one program per segment and tile); the partials are added in the fixed pairwise tree
 ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))``; the root is rounded once to bf16.
 Tensor parallel degree t (1, 2, 4 or 8) holds K/t contiguous columns of x and W, i.e. V/t
 whole segments: a rank computes its aligned subtree (``matmul(segments=V/t)``), the subtree
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from true_on_policy.kernels.matmul import MAX_SEGMENTS, matmul, matmul_reference, tree_sum
+from true_on_policy.kernels.matmul import MAX_SEGMENTS, matmul_reference, split_matmul, tree_sum
 
 VIRTUAL = MAX_SEGMENTS  # the contract's V: supported TP degrees are the divisors of 8
 
@@ -56,7 +56,7 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None) -> 
     """x [M, K/t], w [N, K/t] (this rank's shard) -> [M, N], identical on every rank and for
     every t. ``out_dtype=torch.float32`` returns the unrounded root."""
     segments = _segments_for(_world(group), x.shape[1])
-    root = matmul(x, w, out_dtype=torch.float32, segments=segments, tree=True)
+    root = split_matmul(x, w, segments, torch.float32)
     return finish_tree(root, group).to(out_dtype or x.dtype)
 
 
@@ -65,7 +65,7 @@ def row_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group, out_dtype
     world = _world(group)
     if x.shape[0] % world:
         raise ValueError(f"reduce-scatter form: rows {x.shape[0]} must divide by the group size {world}")
-    root = matmul(x, w, out_dtype=torch.float32, segments=_segments_for(world, x.shape[1]), tree=True)
+    root = split_matmul(x, w, _segments_for(world, x.shape[1]), torch.float32)
     if world == 1:
         return root.to(out_dtype or x.dtype)
     send = list(root.chunk(world, dim=0))

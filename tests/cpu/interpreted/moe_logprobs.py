@@ -1,7 +1,7 @@
 """Interpreted: MoE router ties, batch invariance, TP=2/4 and EP=2/4 simulated bitwise; token
 log-probs, vocab shards simulated bitwise."""
 import torch
-from true_on_policy.kernels.logprobs import SHARDS, _tree, shard_stats, token_logprobs, token_logprobs_reference
+from true_on_policy.kernels.logprobs import SHARDS, _tree, finish, shard_stats, token_logprobs, token_logprobs_reference
 from true_on_policy.kernels.matmul import matmul, tree_sum
 from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, route_reference
 
@@ -42,8 +42,10 @@ for n in (1, 2, 3):
 for t in (2, 4, 8):  # vocab parallel: each slice's shard stats, concatenated in rank order
     v = logits.shape[1] // t
     stats = torch.cat([shard_stats(logits[:, r * v:(r + 1) * v].contiguous(), 0.7, SHARDS // t) for r in range(t)], 1)
-    m, s = _tree([(stats[:, i, 0], stats[:, i, 1]) for i in range(SHARDS)])
-    assert torch.equal(logits.gather(1, tok[:, None])[:, 0].float() / 0.7 - (m + torch.log(s)), lp), t
+    z = logits.gather(1, tok[:, None])[:, 0].float() / 0.7
+    assert torch.equal(finish(stats, z), lp), t
+    m, s = _tree([(stats[:, i, 0], stats[:, i, 1]) for i in range(SHARDS)])  # the tree in plain torch
+    torch.testing.assert_close(z - (m + torch.log(s)), lp, rtol=1e-6, atol=1e-6)
 for bad in (lambda: token_logprobs(logits, tok[:3]), lambda: token_logprobs(logits, tok + 5000),
             lambda: token_logprobs(logits, tok, 0.0), lambda: token_logprobs(logits[:, :4990], tok),
             lambda: route(matmul(x, rw), 9)):
