@@ -90,7 +90,7 @@ def sweep(tokens):
             for cfg in SWEEP:
                 out = torch.empty((seg, t, n) if seg > 1 else (t, n), dtype=torch.float32 if seg > 1 else x.dtype,
                                   device="cuda")
-                ms = _bench(lambda x=x, w=w, out=out, cfg=cfg: _launch(x, w, out, None, None, t, seg, cfg, seg > 1))
+                ms = _bench(lambda x=x, w=w, out=out, cfg=cfg, t=t, seg=seg: _launch(x, w, out, None, None, t, seg, cfg, seg > 1))
                 tag = "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
                     f" w{cfg['num_warps']} s{cfg['num_stages']}"
                 print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} |")
