@@ -1,6 +1,6 @@
 """Kernel benchmark at Qwen3-30B-A3B shapes: our invariant kernels vs the usual fast path.
 
-    PYTHONPATH=. python benchmarks/kernels.py [--tokens 1 64 4096] [--out bench.json]
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/kernels.py [--tokens 1 64 4096] [--out bench.json]
 
 Prints one table: op, tokens, our median time, the baseline's median time and the speed ratio
 (baseline time / our time; 1.0 = as fast). Medians of ``triton.testing.do_bench`` (events,
