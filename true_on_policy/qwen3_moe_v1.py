@@ -35,21 +35,25 @@ NUMERICS = (
     OpNumerics("attention", ("self_attn",), _K + "attention", "bf16 q, bf16 K/V (paged or contiguous)",
                "fp32", "per (query, head): KV in fixed 64-key blocks at absolute positions from 0, "
                "online softmax in fp32; identical for prefill, chunked prefill and decode",
-               ("scores fp32", "output accumulator fp32, divided by the row sum, rounded once to bf16")),
+               ("scores fp32 (q.k in fp32, times scale)", "probabilities rounded to bf16 for the P.V product",
+                "output accumulator fp32, divided by the row sum, rounded once to bf16")),
     OpNumerics("moe_router", ("mlp.gate",), _K + "moe", "bf16 router logits", "fp32",
                "softmax over all experts in fp32; top-k by value, ties to the lower expert id",
-               ("weights renormalised over the k selected in fp32 (norm_topk_prob)",
-                "weights rounded to bf16 before the combine (HF order)")),
+               ("weights renormalised over the k selected in fp32, summed in slot order (norm_topk_prob)",
+                "weights kept fp32 for the combine")),
     OpNumerics("moe_experts", ("mlp.experts",), _K + "moe", "bf16", "fp32",
                "per-expert batch-invariant GEMMs; a token's result never depends on its expert's load",
-               ("gate/up GEMM rounded to bf16", "silu(gate)*up in bf16", "down GEMM rounded to bf16")),
+               ("gate/up GEMM rounded to bf16", "silu(gate) rounded to bf16, times up rounded to bf16",
+                "down GEMM: V=8 segment tree over the intermediate dim, kept fp32 (TP: tree finished "
+                "across ranks before the combine)")),
     OpNumerics("moe_combine", ("mlp",), _K + "moe", "k bf16 expert outputs, k bf16 weights", "fp32",
                "weighted sum over the k slots in slot order (slot 0 first) in fp32; EP gathers the k "
-               "outputs to the token's rank first, so EP degree changes nothing",
+               "fp32 slot outputs (sum with zeros in non-owned slots, exact) first, so EP degree changes nothing",
                ("one rounding of the sum to bf16",)),
     OpNumerics("token_logprob", ("sampler", "trainer loss"), _K + "logprobs", "fp32 logits", "fp32",
-               "log_softmax(logits / T) over the full vocabulary: max then sum in fixed blocks; "
-               "vocab shards combined in a fixed rank-order tree",
+               "log_softmax(logits / T) over the full vocabulary: 8 virtual vocab shards, each max "
+               "then sum of exp in fixed 4096 blocks; shard (max, sum) pairs combined in a fixed pairwise "
+               "tree (vocab-parallel ranks hold whole shards)",
                ("logits/T in fp32", "result fp32, gathered at the sampled token")),
 )
 

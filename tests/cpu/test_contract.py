@@ -10,7 +10,7 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "3b43724b75151835f59a6833a2168534208a0566a8f678d9b8ebe00bd8c95d6e"
+GOLDEN_FINGERPRINT = "4a8b849670db6548411be996dc0abf153b2caca6f337f0f879c4c666f15c2947"
 
 
 def test_round_trip_is_identity():

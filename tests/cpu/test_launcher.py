@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "3b43724b75151835f59a6833a2168534208a0566a8f678d9b8ebe00bd8c95d6e"
+FP = "4a8b849670db6548411be996dc0abf153b2caca6f337f0f879c4c666f15c2947"
 
 
 def _launch(*args, env_extra=None):
