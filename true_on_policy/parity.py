@@ -64,22 +64,43 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
         engine.shutdown()
 
 
-def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float):
-    """Hugging Face transformers recompute: fp32 log_softmax(logits / T) at each sampled token."""
+def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float, trainer: str = "hf",
+                     batch_size: int = 8):
+    """Trainer recompute at each sampled token. ``hf``: stock transformers bf16, fp32
+    log_softmax(logits / T), one sequence at a time. ``patched``: the same model through
+    ``true_on_policy.trainer`` (the contract's kernels), right-padded batches of ``batch_size``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
     out = []
-    with torch.no_grad():
-        for ids, p in zip(sequences, prompt_lens, strict=True):
-            x = torch.tensor([ids], device="cuda")
-            logits = model(input_ids=x).logits[0].float()
-            lp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
-            tok = lp.gather(-1, x[0, 1:, None])[:, 0]
-            out.append(tok[p - 1:].cpu())
-    info = {"trainer": "transformers.Qwen3MoeForCausalLM", "dtype": "bfloat16",
+    info = {"trainer": f"transformers.Qwen3MoeForCausalLM ({trainer})", "dtype": "bfloat16",
             "attn_implementation": model.config._attn_implementation}
+    if trainer == "patched":
+        from true_on_policy.trainer import patch_hf_model, token_logprobs
+
+        info["trainer_manifest"] = patch_hf_model(model).to_dict()
+        with torch.no_grad():
+            for i in range(0, len(sequences), batch_size):
+                chunk = sequences[i:i + batch_size]
+                width = max(map(len, chunk))
+                x = torch.zeros(len(chunk), width, dtype=torch.long, device="cuda")
+                mask = torch.zeros_like(x)
+                for r, ids in enumerate(chunk):
+                    x[r, :len(ids)], mask[r, :len(ids)] = torch.tensor(ids), 1
+                lp = token_logprobs(model, x, mask, temperature)
+                for r, (ids, p) in enumerate(zip(chunk, prompt_lens[i:i + batch_size], strict=True)):
+                    out.append(lp[r, p - 1:len(ids) - 1].cpu())
+    elif trainer == "hf":
+        with torch.no_grad():
+            for ids, p in zip(sequences, prompt_lens, strict=True):
+                x = torch.tensor([ids], device="cuda")
+                logits = model(input_ids=x).logits[0].float()
+                lp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+                tok = lp.gather(-1, x[0, 1:, None])[:, 0]
+                out.append(tok[p - 1:].cpu())
+    else:
+        raise ValueError(f"unknown trainer {trainer!r} (hf, patched)")
     del model
     torch.cuda.empty_cache()
     return out, info
@@ -126,7 +147,8 @@ def run(args) -> dict:
                                              args.temperature, args.seed, args.tp_size)
     t_rollout = time.time() - t0
     seqs = [p + toks for p, (toks, _) in zip(prompts, outs, strict=True)]
-    trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature)
+    trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature,
+                                            args.trainer)
     stats = compare([lps for _, lps in outs], trainer)
     contract = get_contract(DEFAULT_CONTRACT)
     return {
@@ -157,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--trainer", choices=("hf", "patched"), default="hf",
+                   help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
     evidence = run(args)

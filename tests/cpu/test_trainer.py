@@ -1,0 +1,136 @@
+"""Trainer side on the CPU (reference provider): the patched transformers Qwen3-MoE against a
+float64 evaluation and the stock model; padding and micro-batch invariance bitwise; patch
+idempotent and reversible; bad models and requests refused; one optimizer step."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from true_on_policy import tiny_model
+from true_on_policy.trainer import TrainerPatchError, patch_hf_model, token_logprobs, unpatch_hf_model
+
+
+@pytest.fixture(scope="module")
+def path(tiny_cache):
+    return tiny_model.ensure()
+
+
+@pytest.fixture
+def model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def _seqs(seed, lengths, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def _padded(seqs):
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)], mask[r, :len(s)] = s, 1
+    return ids, mask
+
+
+def _stock_lp(m, ids):
+    with torch.no_grad():
+        return torch.log_softmax(m(ids).logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def test_patched_logprobs_close_to_float64_and_to_stock(model, path):
+    ids = torch.stack(_seqs(0, [48, 48, 48]))
+    stock = _stock_lp(model, ids)
+    m64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
+    f64 = _stock_lp(m64, ids)
+    patch_hf_model(model)
+    with torch.no_grad():
+        lp = token_logprobs(model, ids).double()
+    assert lp.shape == (3, 47) and lp.dtype == torch.float64
+    d64, dstock = (lp - f64).abs(), (lp - stock).abs()
+    # bf16 rounding flips a few routing decisions in any bf16 model, so the max is loose; the
+    # bulk must be tight: mean and 90th percentile (a wrong op gives means of 0.3 and more)
+    assert d64.mean() < 0.05 and d64.quantile(0.9) < 0.08, (d64.mean(), d64.quantile(0.9))
+    assert dstock.mean() < 0.05 and dstock.quantile(0.9) < 0.08, (dstock.mean(), dstock.quantile(0.9))
+    assert d64.mean() < 1.5 * (stock - f64).abs().mean()  # no worse than stock bf16 in bulk
+
+
+def test_padding_and_micro_batch_invariance_bitwise(model):
+    patch_hf_model(model)
+    seqs = _seqs(1, [30, 7, 45, 2, 30, 19])
+    with torch.no_grad():
+        alone = [token_logprobs(model, s[None])[0] for s in seqs]
+        ids, mask = _padded(seqs)
+        batch = token_logprobs(model, ids, mask)
+        for r, s in enumerate(seqs):
+            assert torch.equal(batch[r, :len(s) - 1], alone[r]), r
+        for mb in (1, 2, 4):
+            for i in range(0, len(seqs), mb):
+                ids, mask = _padded(seqs[i:i + mb])
+                got = token_logprobs(model, ids, mask, 1.0)
+                for r, s in enumerate(seqs[i:i + mb]):
+                    assert torch.equal(got[r, :len(s) - 1], alone[i + r]), (mb, i + r)
+
+
+def test_temperature_is_applied(model):
+    patch_hf_model(model)
+    ids = torch.stack(_seqs(2, [20]))
+    with torch.no_grad():
+        t1, t7 = token_logprobs(model, ids, temperature=1.0), token_logprobs(model, ids, temperature=0.7)
+    assert not torch.equal(t1, t7) and torch.isfinite(t7).all()
+
+
+def test_idempotent_reversible_and_manifest(model):
+    ids = torch.stack(_seqs(3, [25, 25]))
+    with torch.no_grad():
+        before = model(ids).logits
+    m1 = patch_hf_model(model)
+    fwd = model.model.layers[0].self_attn.forward
+    assert patch_hf_model(model) is m1 and model.model.layers[0].self_attn.forward == fwd
+    rep = m1.patches[0].replacements
+    n_layers = model.config.num_hidden_layers
+    assert len(rep) == n_layers * 6 + 3  # per layer: 2 norms, attention, q/k norms, MoE; + final norm, rotary, lm_head
+    assert any("self_attn" in r and "_attention_forward" in r for r in rep) and m1.fingerprint
+    assert unpatch_hf_model(model) and not unpatch_hf_model(model)
+    assert "forward" not in model.model.layers[0].self_attn.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    with pytest.raises(TrainerPatchError, match="patch_hf_model"):
+        token_logprobs(model, ids)
+
+
+def test_refusals_list_every_problem(model):
+    with pytest.raises(Exception, match="qwen3_moe_true_on_policy_v1"):
+        patch_hf_model(model, contract="no_such_contract")
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(TrainerPatchError, match="LlamaForCausalLM is not supported"):
+        patch_hf_model(llama)
+    model.float()
+    with pytest.raises(TrainerPatchError, match="bfloat16") as e:
+        patch_hf_model(model, provider="triton")
+    assert "CUDA" in str(e.value)  # both problems in one message
+    model.bfloat16()
+    patch_hf_model(model)
+    ids = torch.stack(_seqs(4, [10, 10]))
+    with pytest.raises(TrainerPatchError, match="right-padded"):
+        token_logprobs(model, ids, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10]))
+    with pytest.raises(TrainerPatchError, match="temperature"):
+        token_logprobs(model, ids, temperature=0)
+
+
+def test_one_optimizer_step(model):
+    patch_hf_model(model)
+    model.train()
+    ids = torch.stack(_seqs(5, [24, 24]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    before = model.model.layers[0].mlp.experts.down_proj.detach().clone()
+    loss = -token_logprobs(model, ids).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert torch.isfinite(loss) and len(grads) > 10 and all(torch.isfinite(g).all() for g in grads)
+    opt.step()
+    assert not torch.equal(before, model.model.layers[0].mlp.experts.down_proj.detach())
+    with torch.no_grad():
+        assert -token_logprobs(model, ids).mean() < loss  # the step went downhill

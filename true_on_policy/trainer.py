@@ -1,0 +1,213 @@
+"""Trainer side: Hugging Face transformers' Qwen3-MoE on the contract's kernels.
+
+    from true_on_policy.trainer import patch_hf_model, token_logprobs
+    patch_hf_model(model, contract="qwen3_moe_true_on_policy_v1")    # idempotent, reversible
+    lp = token_logprobs(model, input_ids, attention_mask=None, temperature=1.0)  # fp32 [B, S-1]
+
+``patch_hf_model`` replaces, on this model instance only (other instances and the classes are
+untouched), the forward of every RMSNorm, attention block (q/k/v GEMMs, q/k norm, RoPE, the
+attention itself -- registered as ``"true_on_policy"`` in transformers' ``AttentionInterface``
+-- and o_proj with the TP tree), sparse MoE block (router, grouped experts, fixed-order
+combine), the rotary embedding (fp32 cos/sin from positions) and lm_head (fp32 logits). What was
+replaced is recorded in a ``Manifest`` (the rollout side's format) on ``model``; ``unpatch_hf_model``
+restores every original forward. Sequences must be right-padded: a row's tokens never see its
+padding (causal attention), so padding and the batch/micro-batch a sequence lands in change no bit.
+Several sequences packed into one row are refused -- pass them as rows of a padded batch.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from true_on_policy import providers
+from true_on_policy.contract import get_contract
+from true_on_policy.manifest import Manifest, PatchRecord
+
+ATTENTION_NAME = "true_on_policy"
+_STATE = "_true_on_policy_state"
+SUPPORTED_CLASSES = ("Qwen3MoeForCausalLM",)
+
+
+class TrainerPatchError(ValueError):
+    """The model or request cannot be served under the contract (what and the alternative)."""
+
+
+def _check_model(model) -> list[str]:
+    problems = []
+    cls = type(model).__name__
+    if cls not in SUPPORTED_CLASSES:
+        problems.append(f"model class {cls} is not supported (supported: {', '.join(SUPPORTED_CLASSES)})")
+        return problems
+    cfg = model.config
+    if getattr(cfg, "mlp_only_layers", []) or getattr(cfg, "decoder_sparse_step", 1) != 1:
+        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step != 1) are not in the contract")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+    if getattr(cfg, "attention_bias", False):
+        problems.append("attention_bias=True is not supported")
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+        problems.append("sliding-window attention is not supported")
+    dt = {p.dtype for p in model.parameters()}
+    if dt != {torch.bfloat16}:
+        problems.append(f"parameters must all be bfloat16 (load with torch_dtype=torch.bfloat16), found {sorted(map(str, dt))}")
+    return problems
+
+
+def _register_attention(ops):
+    from transformers import AttentionInterface
+
+    def true_on_policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """query [B, Hq, S, D], key/value [B, Hkv, S, D] -> ([B, S, Hq, D], None). Causal,
+        right padding only (a row's real tokens never attend to its padding)."""
+        if dropout:
+            raise TrainerPatchError("attention dropout is not part of the contract (set attention_dropout=0)")
+        b, hq, s, d = query.shape
+        q = query.transpose(1, 2).reshape(b * s, hq, d)
+        k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+        v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+        out = module._true_on_policy_ops.attention(q, k, v, b, s, scaling)
+        return out.view(b, s, hq, d), None
+
+    AttentionInterface.register(ATTENTION_NAME, true_on_policy_attention)
+
+
+def _norm_forward(self, x):
+    h = x.shape[-1]
+    return self._true_on_policy_ops.rmsnorm(x.reshape(-1, h), self.weight, self.variance_epsilon).view(x.shape)
+
+
+def _rotary_forward(self, x, position_ids):
+    pos = position_ids.reshape(-1)
+    cos, sin = providers._rope.cos_sin(pos, self._tp_head_dim, self._tp_theta)
+    return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
+
+
+def _attention_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if past_key_values is not None and past_key_values.get_seq_length() > 0:
+        raise TrainerPatchError("KV-cache generation is not patched; the trainer recomputes full sequences")
+    ops, d = self._true_on_policy_ops, self.head_dim
+    b, s, h = hidden_states.shape
+    x = hidden_states.reshape(b * s, h)
+    q = ops.rmsnorm(ops.linear(x, self.q_proj.weight).view(-1, d), self.q_norm.weight, self.q_norm.variance_epsilon)
+    k = ops.rmsnorm(ops.linear(x, self.k_proj.weight).view(-1, d), self.k_norm.weight, self.k_norm.variance_epsilon)
+    v = ops.linear(x, self.v_proj.weight).view(b * s, -1, d)
+    cos, sin = (t.reshape(b * s, -1) for t in position_embeddings)
+    q = ops.rope(q.view(b * s, -1, d), cos, sin)
+    k = ops.rope(k.view(b * s, -1, d), cos, sin)
+    to_bhsd = lambda t: t.view(b, s, -1, d).transpose(1, 2)
+    out, _ = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME](self, to_bhsd(q), to_bhsd(k), to_bhsd(v), attention_mask,
+                                                     scaling=self.scaling, dropout=0.0)
+    return ops.row_linear(out.reshape(b * s, -1), self.o_proj.weight).view(b, s, h), None
+
+
+def _moe_forward(self, hidden_states):
+    shape = hidden_states.shape
+    ex, gate = self.experts, self.gate
+    y = self._true_on_policy_ops.moe(hidden_states.reshape(-1, shape[-1]), gate.weight, ex.gate_up_proj,
+                                     ex.down_proj, gate.top_k, bool(gate.norm_topk_prob))
+    return y.view(shape)
+
+
+def _lm_head_forward(self, x):
+    return self._true_on_policy_ops.linear(x.reshape(-1, x.shape[-1]), self.weight, torch.float32).view(
+        *x.shape[:-1], -1)
+
+
+def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provider: str | None = None) -> Manifest:
+    """Route the model's forward through the contract's kernels. Idempotent: a second call with
+    the same contract and provider returns the existing manifest. Raises ``TrainerPatchError``
+    listing every problem, before touching the model, if the model is not covered."""
+    c = get_contract(contract)  # unknown name -> error listing the known contracts
+    provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
+    ops = providers.get(provider)
+    problems = _check_model(model)
+    if provider == "triton" and not next(model.parameters()).is_cuda:
+        problems.append("provider 'triton' needs the model on a CUDA device (use provider='reference' on CPU)")
+    if problems:
+        raise TrainerPatchError(f"patch_hf_model({type(model).__name__}, contract={contract!r}) refused:\n  - "
+                                + "\n  - ".join(problems))
+    state = getattr(model, _STATE, None)
+    if state is not None:
+        if state["provider"] != provider or state["manifest"].contract != c.name:
+            raise TrainerPatchError(f"model already patched with {state['manifest'].contract}/{state['provider']}; "
+                                    "call unpatch_hf_model(model) first")
+        return state["manifest"]
+    _register_attention(ops)
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    originals, replaced = [], []
+
+    def put(module, fn, label):
+        originals.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
+        module._true_on_policy_ops = ops
+        module.forward = types.MethodType(fn, module)
+        replaced.append(f"{label}: {type(module).__module__}.{type(module).__qualname__}.forward -> "
+                        f"true_on_policy.trainer.{fn.__name__}")
+
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        if cls.endswith("RMSNorm"):
+            put(mod, _norm_forward, name)
+        elif cls == "Qwen3MoeAttention":
+            put(mod, _attention_forward, name)
+        elif cls == "Qwen3MoeSparseMoeBlock":
+            put(mod, _moe_forward, name)
+        elif cls.endswith("RotaryEmbedding"):
+            mod._tp_head_dim, mod._tp_theta = cfg.head_dim, theta
+            put(mod, _rotary_forward, name)
+    put(model.lm_head, _lm_head_forward, "lm_head")
+    manifest = Manifest(role="trainer:transformers", contract=c.name, fingerprint=c.fingerprint,
+                        patches=[PatchRecord("trainer.hf_qwen3_moe", replaced,
+                                             [f"provider={provider}", f"attention={ATTENTION_NAME} (AttentionInterface)"])])
+    setattr(model, _STATE, {"provider": provider, "manifest": manifest, "originals": originals})
+    return manifest
+
+
+def unpatch_hf_model(model) -> bool:
+    """Restore every original forward. Returns False when the model was not patched."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return False
+    for module, had_own, fn in state["originals"]:
+        if had_own:
+            module.forward = fn
+        else:
+            module.__dict__.pop("forward", None)
+        module.__dict__.pop("_true_on_policy_ops", None)
+    delattr(model, _STATE)
+    return True
+
+
+def _check_right_padded(mask: torch.Tensor):
+    m = mask.to(torch.int8)
+    if ((m[:, 1:] - m[:, :-1]) > 0).any():
+        raise TrainerPatchError("attention_mask must be right-padded (ones, then zeros) with one sequence per row; "
+                                "left padding and packed rows are not supported")
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """fp32 [batch, seq-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) under the contract
+    (fp32 log-softmax of logits / T over the full vocabulary). Positions past a row's length
+    (padding) are computed but meaningless. Gradients flow when the model requires them."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise TrainerPatchError("token_logprobs needs a patched model: call patch_hf_model(model) first")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise TrainerPatchError(f"input_ids must be [batch, seq >= 2], got {tuple(input_ids.shape)}")
+    if not temperature > 0:
+        raise TrainerPatchError(f"temperature must be > 0, got {temperature}")
+    if attention_mask is not None:
+        _check_right_padded(attention_mask)
+    b, s = input_ids.shape
+    pos = torch.arange(s, device=input_ids.device).expand(b, s)
+    logits = model(input_ids=input_ids, position_ids=pos, use_cache=False).logits  # fp32 [B, S, V]
+    ops = providers.get(state["provider"])
+    lp = ops.logprobs(logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1), float(temperature))
+    return lp.view(b, s - 1)
