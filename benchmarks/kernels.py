@@ -67,6 +67,12 @@ def _sgl_fused_moe():
         from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
         from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_moe
         from sglang.srt.layers.moe.topk import StandardTopKOutput
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        from true_on_policy import tiny_model
+
+        # fused_moe reads SGLang's published runtime config; publish a default one
+        set_global_server_args_for_scheduler(ServerArgs(model_path=tiny_model.ensure(), device="cuda"))
         return fused_moe, MoeRunnerConfig, StandardTopKOutput
     return _try("sglang fused_moe", imp)
 

@@ -30,9 +30,10 @@ def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, tempera
 
 
 @triton.jit
-def _shard_stats_kernel(L, STATS, stride_l, SHARD, T, n_shards, VBLOCK: tl.constexpr):
+def _shard_stats_kernel(L, STATS, TEMP, stride_l, SHARD, n_shards, VBLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
+    T = tl.load(TEMP + row)
     base = L + row * stride_l + s * SHARD
     m = tl.full([VBLOCK], float("-inf"), tl.float32)
     for start in range(0, SHARD, VBLOCK):
@@ -55,7 +56,7 @@ def _merge_stats(ma, ea, mb, eb):
     return mm, ea * tl.exp(ma - mm) + eb * tl.exp(mb - mm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS"])
 def _finish_kernel(STATS, ZTOK, OUT, ROWS, BLOCK: tl.constexpr):
     """The fixed shard tree for BLOCK rows at once: ((0,1),(2,3)),((4,5),(6,7))."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -101,15 +102,23 @@ def _tree(stats):
     return stats[0]
 
 
-def shard_stats(logits: torch.Tensor, temperature: float, n_shards: int) -> torch.Tensor:
+def temperatures(temperature, rows: int, device) -> torch.Tensor:
+    """One fp32 temperature per row (a scalar is broadcast: the same fp32 value either way)."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(device=device, dtype=torch.float32).reshape(-1)
+        return t.expand(rows).contiguous() if t.numel() == 1 else t.contiguous()
+    return torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
+
+
+def shard_stats(logits: torch.Tensor, temperature, n_shards: int) -> torch.Tensor:
     """[rows, n_shards, 2] fp32 (max, sum of exp) per shard of this logits slice."""
     rows, v = logits.shape
     if v % n_shards:
         raise ValueError(f"token_logprobs: vocabulary slice {v} must divide into {n_shards} shards")
     stats = torch.empty(rows, n_shards, 2, dtype=torch.float32, device=logits.device)
     if rows:
-        _shard_stats_kernel[(rows, n_shards)](logits, stats, logits.stride(0), v // n_shards, float(temperature),
-                                              n_shards, VBLOCK=VBLOCK)
+        _shard_stats_kernel[(rows, n_shards)](logits, stats, temperatures(temperature, rows, logits.device),
+                                              logits.stride(0), v // n_shards, n_shards, VBLOCK=VBLOCK)
     return stats
 
 
@@ -118,7 +127,8 @@ def _check(logits, tokens, temperature, vocab):
         raise ValueError(f"token_logprobs: logits must be [rows, vocab] with unit last stride, got {tuple(logits.shape)}")
     if tokens.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs: tokens must be [{logits.shape[0]}], got {tuple(tokens.shape)}")
-    if not temperature > 0:
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    if not bool((t > 0).all()):
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     if vocab % SHARDS:
         raise ValueError(f"token_logprobs: vocabulary {vocab} must be a multiple of {SHARDS} (pad it)")
@@ -126,10 +136,11 @@ def _check(logits, tokens, temperature, vocab):
         raise ValueError("token_logprobs: token id out of the vocabulary")
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, group=None,
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, group=None,
                    validate: bool = True) -> torch.Tensor:
-    """logits [rows, Vocab/t] (this rank's contiguous slice; any float dtype), tokens [rows]
-    (global ids) -> fp32 [rows], identical for every vocab-parallel degree t.
+    """logits [rows, Vocab/t] (this rank's contiguous slice; any float dtype; rows may be
+    strided), tokens [rows] (global ids), temperature a float or an fp32 tensor [rows] -> fp32
+    [rows], identical for every vocab-parallel degree t.
     ``validate=False`` skips the token-range check (it syncs the device; CUDA graphs need that)."""
     world = 1 if group is None else dist.get_world_size(group)
     if world not in (1, 2, 4, 8):
@@ -137,18 +148,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     vocab = logits.shape[1] * world
     if validate:
         _check(logits, tokens, temperature, vocab)
-    stats = shard_stats(logits, temperature, SHARDS // world)
+    temp = temperatures(temperature, logits.shape[0], logits.device)
+    stats = shard_stats(logits, temp, SHARDS // world)
     tok = tokens.long()
     if world > 1:
         rank = dist.get_rank(group)
         lo = rank * logits.shape[1]
         mine = (tok >= lo) & (tok < lo + logits.shape[1])
         z_tok = torch.where(mine, logits.gather(1, (tok - lo).clamp(0, logits.shape[1] - 1)[:, None])[:, 0].float()
-                            / temperature, 0.0)
+                            / temp, 0.0)
         gathered = [torch.empty_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats.contiguous(), group=group)
         stats = torch.cat(gathered, dim=1)
         dist.all_reduce(z_tok, group=group)  # one rank holds the token: x + 0 + ... is exact
     else:
-        z_tok = logits.gather(1, tok[:, None])[:, 0].float() / temperature
+        z_tok = logits.gather(1, tok[:, None])[:, 0].float() / temp
     return finish(stats, z_tok)

@@ -119,7 +119,7 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
              mask=(out_rows < M)[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN", "stride_s"])
 def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < MN

@@ -37,7 +37,7 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride_oh,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

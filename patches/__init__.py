@@ -6,12 +6,21 @@ built) and returns the process's Manifest; ``undo_all()`` restores every replace
 
 from __future__ import annotations
 
-from true_on_policy.patches import qwen3_moe, tp_worker
+from true_on_policy.patches import (
+    attention_backend,
+    cuda_graph,
+    layernorm,
+    linear,
+    qwen3_moe,
+    rope,
+    sampler,
+    tp_worker,
+)
 
 from true_on_policy import env, patching
 from true_on_policy.manifest import Manifest
 
-PATCHES = (tp_worker, qwen3_moe)
+PATCHES = (tp_worker, layernorm, linear, rope, attention_backend, sampler, qwen3_moe, cuda_graph)
 
 _MANIFEST: Manifest | None = None
 

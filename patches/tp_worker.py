@@ -45,6 +45,9 @@ def _write_manifest(contract, self) -> None:
     }
     m.extra["server_args"] = {r.dest: getattr(self.server_args, r.dest, None) for r in contract.args}
     m.extra["multicast_gatherer_off"] = True
+    from true_on_policy.patches.cuda_graph import CAPTURED
+
+    m.extra["cuda_graph"] = dict(CAPTURED) or {"decode_batch_sizes": [], "note": "no decode graph captured"}
     m.write()
 
 

@@ -127,3 +127,16 @@ def after(hook: Callable) -> Callable[[Callable], Callable]:
         return wrapper
 
     return make
+
+
+def replacing(impl: Callable) -> Callable[[Callable], Callable]:
+    """``make`` for wrap(): the target is replaced by ``impl`` (the original stays reachable as
+    ``__wrapped__`` on the installed wrapper, and is what ``undo`` restores)."""
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            return impl(*args, **kwargs)
+
+        return wrapper
+
+    return make

@@ -100,9 +100,10 @@ ARGS = (
           "drop the flag"),
     _only("cuda_graph_backend_decode", "--cuda-graph-backend-decode", (None, "full", "disabled"),
           "breakable/piecewise decode graphs are not validated", "full (default) or disabled"),
-    _only("tp_size", "--tp-size", (1, 2, 4, 8), "the TP tree has V=8 virtual segments", "TP in {1,2,4,8}"),
-    _only("pp_size", "--pp-size", (1, 2, 4, 8), "validated pipeline layouts", "PP in {1,2,4,8}"),
-    _only("ep_size", "--ep-size", (1, 2, 4, 8), "validated expert-parallel layouts", "EP in {1,2,4,8}, dividing TP"),
+    _only("tp_size", "--tp-size", (1,), "the rollout routes the TP tree only at TP=1 so far (kernels support "
+          "TP in {1,2,4,8}; the communicator patch is not in yet)", "TP=1 (one engine per GPU)"),
+    _only("pp_size", "--pp-size", (1,), "pipeline parallel is not routed yet", "PP=1"),
+    _only("ep_size", "--ep-size", (1,), "expert parallel is not routed yet (kernels.moe has the EP form)", "EP=1"),
     _only("dp_size", "--dp-size", (1,), "data-parallel attention is not parity-gated",
           "run several engines instead of --dp-size"),
     _only("enable_dp_attention", "--enable-dp-attention", _OFF, "DP attention is not parity-gated",
@@ -179,11 +180,11 @@ CONTRACT = register(Contract(
     logprob="fp32 log_softmax(logits / temperature) over the full vocabulary, at the sampled token",
     numerics=NUMERICS,
     layouts=Layouts(
-        rollout_tp=(1, 2, 4, 8),
-        rollout_pp=(1, 2, 4, 8),
-        rollout_ep=(1, 2, 4, 8),
-        rollout_rules=("ep_size divides tp_size", "dp_size == 1 (no DP attention)",
-                       "hidden state and residual cross PP stages in bf16, unrounded again"),
+        rollout_tp=(1,),
+        rollout_pp=(1,),
+        rollout_ep=(1,),
+        rollout_rules=("one GPU per engine until the communicator/EP/PP routing lands (the kernels "
+                       "already have the TP, EP and vocab-parallel forms)", "dp_size == 1 (no DP attention)"),
         trainer=(("tp", "1, 2, 4, 8 (any degree: the TP tree is degree-invariant)"),
                  ("pp", "any"), ("ep", "any (fixed-order combine after gathering the k outputs)"),
                  ("expert_tp", "any dividing moe_intermediate_size / 8"),
@@ -193,6 +194,6 @@ CONTRACT = register(Contract(
     env=ENV,
     args=ARGS,
     rl_on_policy_target="true_on_policy",
-    notes=("Until the kernels are routed (later issues) the rollout runs SGLang 0.5.17's own "
-           "deterministic paths; the numerics table is the target both sides converge on.",),
+    notes=("The rollout routes every op of the numerics table through true_on_policy.kernels "
+           "(patches/); the trainer side is true_on_policy.trainer on transformers.",),
 ))

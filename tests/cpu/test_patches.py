@@ -40,7 +40,9 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 4, lines
+assert len(lines) == len(patching.applied()) == 13, lines
+assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'rope', 'attention_backend', 'sampler',
+                                        'qwen3_moe', 'cuda_graph']
 assert all(': ' in l and ' -> ' in l for l in lines)
 assert patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler')) is m
 assert q.Qwen3MoeAttention.__init__ is not orig[0]
@@ -63,15 +65,28 @@ def test_missing_symbol_raises_naming_it(target, needle):
     assert target in msg and needle in msg and "sglang==0.5.17" in msg
 
 
-def test_attention_patch_refuses_an_instance_without_the_flag():
+def test_attention_patch_refuses_an_instance_without_the_flag_or_our_rope():
     from true_on_policy.patches import qwen3_moe
 
     class Bare:
         pass
 
     with pytest.raises(PatchError, match="compatible_with_fused_kv_buffer"):
-        qwen3_moe._no_fused_kv_write(None, Bare())
+        qwen3_moe._attention_built(None, Bare())
     ok = Bare()
     ok.compatible_with_fused_kv_buffer = ok.use_fused_qk_norm_rope = True
-    qwen3_moe._no_fused_kv_write(None, ok)
+    with pytest.raises(PatchError, match="not bound to the contract's RoPE"):
+        qwen3_moe._attention_built(None, ok)  # stock RoPE: the patch came too late
+
+    def ours(*a):
+        pass
+
+    ours.__true_on_policy_patch__ = "x"
+
+    class Rope:
+        def __init__(self):
+            self._forward_method = ours.__get__(self)
+
+    ok.rotary_emb = Rope()
+    qwen3_moe._attention_built(None, ok)
     assert ok.compatible_with_fused_kv_buffer is False and ok.use_fused_qk_norm_rope is False

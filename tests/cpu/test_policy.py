@@ -37,7 +37,9 @@ def test_valid_plan_resolves_forced_args(tiny_cache, clean_env):
     (["--enable-symm-mem"], "--enable-symm-mem"),
     (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
-    (["--tp-size", "4", "--ep-size", "8"], "--ep-size"),
+    (["--tp-size", "2"], "--tp-size"),
+    (["--ep-size", "2"], "--ep-size"),
+    (["--pp-size", "2"], "--pp-size"),
     (["--use-ray"], "--use-ray"),
 ])
 def test_each_forbidden_input_is_caught(tiny_cache, clean_env, argv, subject):

@@ -1,0 +1,88 @@
+"""Attention seam (sglang/srt/layers/attention/triton_backend.py): ``kernels/attention`` for
+prefill, chunked prefill (radix-cache hits included) and decode.
+
+SGLang's deterministic Triton backend runs a unified 1-stage kernel for extend and a split-KV
+kernel for decode, so a decode step != a prefill recompute. We replace the deterministic
+extend path (``_forward_extend_unified``, reached after K/V are saved) and ``forward_decode``
+with one kernel that reads K/V through ``req_to_token`` rows: the same code and the same
+per-row bits whether a position is computed in a prefill, after a cached prefix, or as a single
+decode step -- and the trainer runs the same kernel on contiguous tensors. Decode is graph-safe
+(static shapes; the K/V write is SGLang's own ``_set_kv_buffer``).
+"""
+
+from __future__ import annotations
+
+from true_on_policy.manifest import PatchRecord
+from true_on_policy.patching import PatchError, replacing, wrap
+
+EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._forward_extend_unified"
+DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_decode"
+
+
+def _check(backend, layer, causal=True, soft_cap=0.0, sinks=None, score_mod=None, extra=None):
+    bad = [f"argument {k}" for k, v in (extra or {}).items() if v is not None]
+    if not causal or layer.is_cross_attention:
+        bad.append("non-causal attention")
+    if soft_cap or getattr(layer, "logit_cap", 0):
+        bad.append("logit soft-capping")
+    if sinks is not None or score_mod is not None:
+        bad.append("attention sinks / score_mod")
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        bad.append("sliding-window attention")
+    if layer.k_scale is not None or layer.qk_head_dim != layer.v_head_dim:
+        bad.append("scaled / MLA K-V")
+    if getattr(backend, "dcp_size", 1) > 1 or getattr(backend, "_translate_kv_loc", None) is not None:
+        bad.append("DCP / unified KV pool")
+    if bad:
+        raise PatchError(f"true-on-policy attention: not in the contract: {', '.join(bad)}")
+
+
+def _run(layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len):
+    from true_on_policy.kernels.attention import attention
+
+    pool = forward_batch.token_to_kv_pool
+    k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    kv_index = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
+    hq, d = layer.tp_q_head_num, layer.qk_head_dim
+    out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], -1, d), v_buf.view(v_buf.shape[0], -1, d),
+                    kv_index, q_start, q_len, q_pos0, max_q_len, layer.scaling)
+    o.view(-1, hq, d).copy_(out)
+    return o
+
+
+def tpo_extend(self, q, o, layer, forward_batch, causal, logits_soft_cap, sinks, score_mod=None, aux_tensors=None,
+               **extra):
+    _check(self, layer, causal, logits_soft_cap, sinks, score_mod, extra)
+    if forward_batch.extend_seq_lens is None or forward_batch.extend_prefix_lens is None:
+        raise PatchError("true-on-policy attention: extend without extend_seq_lens/prefix_lens (speculative "
+                         "verify is not in the contract)")
+    lens_cpu = forward_batch.extend_seq_lens_cpu
+    max_q = max(lens_cpu) if lens_cpu else int(forward_batch.extend_seq_lens.max())
+    return _run(layer, forward_batch, q, o, forward_batch.extend_start_loc, forward_batch.extend_seq_lens,
+                forward_batch.extend_prefix_lens, max_q)
+
+
+def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,
+               aux_tensors=None, **extra):
+    import torch
+    from sglang.srt.layers.attention.triton_backend import KVWriteLoc
+
+    _check(self, layer, True, 0.0, sinks, score_mod, extra)
+    if self.use_mla:
+        raise PatchError("true-on-policy attention: MLA is not in the contract")
+    q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+    o = torch.empty_like(q)
+    if save_kv_cache:
+        self._set_kv_buffer(forward_batch, layer,
+                            KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc,
+                                       full_loc=self.forward_metadata.out_cache_loc_full_physical),
+                            k, v, layer.k_scale, layer.v_scale)
+    bs = q.shape[0]
+    starts = torch.arange(bs, device=q.device, dtype=torch.int32)
+    return _run(layer, forward_batch, q, o, starts, torch.ones_like(starts), forward_batch.seq_lens[:bs] - 1, 1)
+
+
+def apply(policy) -> PatchRecord:
+    reps = [wrap(EXTEND, replacing(tpo_extend)), wrap(DECODE, replacing(tpo_decode))]
+    return PatchRecord("attention_backend", [r.describe() for r in reps],
+                       ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows"])

@@ -1,0 +1,88 @@
+"""The rollout routing patches on the CPU, against the real sglang 0.5.17 classes: each patched
+method computes the contract's op (reference kernels are not involved: these call the same
+``kernels/`` functions under TRITON_INTERPRET=1), refuses what the contract excludes, and the
+CUDA-graph hook refuses a capture before the patches. The GPU tier checks bits end to end."""
+
+from helpers import run_py
+
+CODE = r"""
+import torch, types
+from true_on_policy import patches
+from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract import get_contract
+from true_on_policy.patching import PatchError
+from true_on_policy.patches import layernorm, linear, rope, sampler, cuda_graph, qwen3_moe
+from true_on_policy.kernels.rmsnorm import rmsnorm_reference
+from true_on_policy.kernels.rope import apply_rope_reference, cos_sin
+from true_on_policy.kernels.matmul import matmul_reference
+from true_on_policy.kernels.tree_reduce import row_linear_reference
+
+# 1. a capture before the patches is refused
+class Runner: capture_bs = [1, 2, 4]
+try:
+    cuda_graph._make_capture(lambda self: None)(Runner())
+except PatchError as e:
+    assert 'missing' in str(e)
+else:
+    raise AssertionError('capture before patches accepted')
+patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+cuda_graph._make_capture(lambda self: None)(Runner())
+assert cuda_graph.CAPTURED['decode_batch_sizes'] == [1, 2, 4]
+
+g = torch.Generator().manual_seed(0)
+# 2. RMSNorm: the class method is ours; residual and plain patterns; 3-D input keeps its shape
+from sglang.srt.layers.layernorm import RMSNorm
+norm = types.SimpleNamespace(weight=(1 + 0.1 * torch.randn(64, generator=g)).bfloat16(), variance_epsilon=1e-6)
+x, r = torch.randn(2, 5, 64, generator=g).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()
+assert RMSNorm.forward_cuda.__wrapped__ is not None
+out, res = RMSNorm.forward_cuda(norm, x, r)
+ref, rres = rmsnorm_reference(x.view(-1, 64), norm.weight, 1e-6, r.view(-1, 64))
+assert out.shape == x.shape and res.shape == r.shape  # (the interpreter truncates fp32 -> bf16: tolerances)
+torch.testing.assert_close(res.view(-1, 64).float(), rres.float(), rtol=1e-2, atol=1e-2)
+torch.testing.assert_close(out.view(-1, 64).float(), ref.float(), rtol=2e-2, atol=2e-2)
+try:
+    RMSNorm.forward_cuda(norm, x, r, post_residual_addition=r)
+except PatchError:
+    pass
+else:
+    raise AssertionError('post_residual_addition accepted')
+# 3. linear: column layers plain GEMM, RowParallelLinear the 8-segment tree
+from sglang.srt.layers.linear import RowParallelLinear
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+w = (torch.randn(32, 256, generator=g) * 0.05).bfloat16()
+xa = torch.randn(7, 256, generator=g).bfloat16()
+col = types.SimpleNamespace(weight=w)
+torch.testing.assert_close(UnquantizedLinearMethod.apply(None, col, xa).float(), matmul_reference(xa, w).float(),
+                           rtol=2e-2, atol=2e-2)
+row = RowParallelLinear.__new__(RowParallelLinear)
+object.__setattr__(row, '__dict__', {'weight': w, 'tp_size': 1})
+torch.testing.assert_close(UnquantizedLinearMethod.apply(None, row, xa).float(), row_linear_reference(xa, w).float(),
+                           rtol=2e-2, atol=2e-2)
+try:
+    UnquantizedLinearMethod.apply(None, col, xa, bias=torch.zeros(32))
+except PatchError:
+    pass
+else:
+    raise AssertionError('bias accepted')
+# 4. RoPE on q/k laid out [T, H*D]
+from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+re = types.SimpleNamespace(head_size=64, rotary_dim=64, is_neox_style=True, base=1000000)
+pos = torch.tensor([0, 5, 63, 64, 200])
+q, k = torch.randn(5, 4 * 64, generator=g).bfloat16(), torch.randn(5, 2 * 64, generator=g).bfloat16()
+qo, ko = RotaryEmbedding.forward_native(re, pos, q, k)
+c, s = cos_sin(pos, 64, 1e6)
+torch.testing.assert_close(qo.view(5, 4, 64).float(), apply_rope_reference(q.view(5, 4, 64), c, s).float(),
+                           rtol=2e-2, atol=4e-2)
+assert ko.shape == k.shape
+# 5. lm_head: fp32 logits
+from sglang.srt.layers.logits_processor import LogitsProcessor
+lm = types.SimpleNamespace(weight=(torch.randn(512, 64, generator=g) * 0.05).bfloat16())
+lg = LogitsProcessor._compute_lm_head(types.SimpleNamespace(logit_scale=None), torch.randn(3, 64).bfloat16(), lm)
+assert lg.dtype == torch.float32 and lg.shape == (3, 512)
+print('routing-ok')
+"""
+
+
+def test_routing_patches_compute_the_contract_ops():
+    r = run_py(CODE, {"TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and "routing-ok" in r.stdout, r.stderr[-4000:]
