@@ -37,12 +37,12 @@ def _check(backend, layer, causal=True, soft_cap=0.0, sinks=None, score_mod=None
         raise PatchError(f"true-on-policy attention: not in the contract: {', '.join(bad)}")
 
 
-def _run(layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len):
+def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len):
     from true_on_policy.kernels.attention import attention
 
-    pool = forward_batch.token_to_kv_pool
+    pool = backend.token_to_kv_pool
     k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    kv_index = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
+    kv_index = backend.req_to_token[forward_batch.req_pool_indices]
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], -1, d), v_buf.view(v_buf.shape[0], -1, d),
                     kv_index, q_start, q_len, q_pos0, max_q_len, layer.scaling)
@@ -58,7 +58,7 @@ def tpo_extend(self, q, o, layer, forward_batch, causal, logits_soft_cap, sinks,
                          "verify is not in the contract)")
     lens_cpu = forward_batch.extend_seq_lens_cpu
     max_q = max(lens_cpu) if lens_cpu else int(forward_batch.extend_seq_lens.max())
-    return _run(layer, forward_batch, q, o, forward_batch.extend_start_loc, forward_batch.extend_seq_lens,
+    return _run(self, layer, forward_batch, q, o, forward_batch.extend_start_loc, forward_batch.extend_seq_lens,
                 forward_batch.extend_prefix_lens, max_q)
 
 
@@ -79,7 +79,7 @@ def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=No
                             k, v, layer.k_scale, layer.v_scale)
     bs = q.shape[0]
     starts = torch.arange(bs, device=q.device, dtype=torch.int32)
-    return _run(layer, forward_batch, q, o, starts, torch.ones_like(starts), forward_batch.seq_lens[:bs] - 1, 1)
+    return _run(self, layer, forward_batch, q, o, starts, torch.ones_like(starts), forward_batch.seq_lens[:bs] - 1, 1)
 
 
 def apply(policy) -> PatchRecord:

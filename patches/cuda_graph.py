@@ -30,7 +30,15 @@ def _make_capture(original):
         if missing:
             raise PatchError(f"CUDA-graph capture before the true-on-policy patches: missing {missing}")
         CAPTURED["decode_batch_sizes"] = sorted(int(b) for b in getattr(self, "capture_bs", []))
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        CAPTURED["captured"] = True
+        from true_on_policy import patches
+
+        m = patches.current_manifest()  # captured after the worker wrote it: write it again
+        if m is not None and m.ranks:
+            m.extra["cuda_graph"] = dict(CAPTURED)
+            m.write()
+        return result
 
     return tpo_capture
 
