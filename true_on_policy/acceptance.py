@@ -77,8 +77,13 @@ def _interleaved(engine, others, target, seed):
     return [int(t[1]) for t in lp], [float(t[0]) for t in lp]
 
 
+def _step(name, what):
+    print(f"[acceptance:{name}] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def phase(name, model_path, small, out_path):
     """One engine, one subprocess. Writes its raw results to ``out_path``."""
+    _step(name, "engine starting")
     kw = dict(model_path=model_path, mem_fraction_static=0.4, random_seed=0)
     res = {"phase": name}
     if name in ("stock", "no_plugin"):
@@ -99,29 +104,36 @@ def phase(name, model_path, small, out_path):
             kw.update(chunked_prefill_size=CHUNK)
         gen = eng = TrueOnPolicyEngine(**kw)
         res["manifests"] = eng.manifests()
+    _step(name, "engine ready")
     try:
         w = _workload(small)
         for t in (1.0, 0.7):
             res[f"sample_t{t}"] = _gen(gen, w["prompts"], w["new"], t, w["seeds"])
+        _step(name, "samples done")
         if name == "tpo":
             target, seed = _prompts(1, 99, 150, 151)[0], 4242
             alone = _gen(gen, [target], 24, 1.0, [seed])[0]
             others = _prompts(31, 7)
             batch = _gen(gen, others[:15] + [target] + others[15:], 24, 1.0,
                          list(range(15)) + [seed] + list(range(15, 31)))[15]
+            _step(name, "alone and batch32 done")
             inter = _interleaved(eng.engine, others, target, seed)
+            _step(name, "interleaved done")
             res["batch_invariance"] = {"alone": alone, "batch32": batch, "interleaved": inter}
             prefix = _prompts(1, 123, 260, 261)[0]
             a, b = prefix + [17, 18, 19], prefix + [40, 41]
             _gen(gen, [a], 8, 1.0, [1])
             warm = _gen(gen, [b], 24, 1.0, [2])[0]  # prefix served from the radix cache
+            _step(name, "radix warm done")
             eng.engine.flush_cache()
             cold = _gen(gen, [b], 24, 1.0, [2])[0]
             res["radix"] = {"warm": warm, "cold": cold, "prefix_len": len(prefix)}
             reps = [_gen(gen, [target], 16, 1.0, [seed])[0] for _ in range(100)]
             res["repeats_unique"] = len({json.dumps(r) for r in reps})
+            _step(name, "repeats done")
         if name in ("tpo", "stock"):
             res["throughput"] = _throughput(gen, small)
+            _step(name, "throughput done")
     finally:
         eng.shutdown()
     with open(out_path, "w") as f:
@@ -133,11 +145,14 @@ def _run_phase(name, model_path, small, folder):
     env = dict(os.environ)
     if name == "no_plugin":
         env["SGLANG_PLUGINS"] = "none_but_this_name_matches_nothing"
-    r = subprocess.run([sys.executable, "-m", "true_on_policy.acceptance", "--phase", name, "--model-path", model_path,
-                        "--phase-out", out] + (["--small"] if small else []), env=env, capture_output=True,
-                       text=True, timeout=900)
+    log = os.path.join(os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR") or folder, f"acceptance-{name}.log")
+    with open(log, "w") as lf:  # streamed, so a hung phase still leaves its progress behind
+        r = subprocess.run([sys.executable, "-m", "true_on_policy.acceptance", "--phase", name, "--model-path",
+                            model_path, "--phase-out", out] + (["--small"] if small else []), env=env, stdout=lf,
+                           stderr=subprocess.STDOUT, text=True, timeout=900)
     if r.returncode:
-        raise RuntimeError(f"phase {name} failed:\n{r.stderr[-4000:]}")
+        with open(log) as lf:
+            raise RuntimeError(f"phase {name} failed:\n{lf.read()[-4000:]}")
     with open(out) as f:
         return json.load(f)
 
