@@ -74,6 +74,9 @@ REQUIRED_WHY = {
     "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "non-invariant einsum fallback for aten::mm",
     "SGLANG_RETURN_ORIGINAL_LOGPROB": "would return pre-temperature log-probs, not the contract's",
     "SGLANG_ENABLE_CUSTOM_ALL_REDUCE_V2_MULTINODE": "multi-node custom all-reduce; must stay off",
+    "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE": "deterministic mode aligns prefill chunks to 4096 tokens, which "
+    "starves (hangs) any --chunked-prefill-size below 4096; the contract's attention is chunk-invariant "
+    "(absolute 64-key blocks), so chunks are aligned to 64 instead",
 }
 
 

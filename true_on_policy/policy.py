@@ -70,6 +70,10 @@ def check_args(contract: Contract, server_args) -> list[Violation]:
             fix = (f"the contract forces {rule.force!r}; drop your value" if rule.forced
                    else f"allowed: {', '.join(map(repr, rule.allowed))}; instead: {rule.alternative}")
             out.append(Violation(rule.flag, f"{value!r} ({rule.why})", fix))
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    if isinstance(chunk, int) and chunk not in (-1, 0) and (chunk < 64 or chunk % 64):
+        out.append(Violation("--chunked-prefill-size", f"{chunk} (prefill chunks are aligned to 64 tokens; a smaller "
+                             "or unaligned size never schedules a long prompt)", "-1 or a multiple of 64"))
     tp, ep = getattr(server_args, "tp_size", 1), getattr(server_args, "ep_size", 1)
     if isinstance(tp, int) and isinstance(ep, int) and ep > 0 and tp % ep:
         out.append(Violation("--ep-size", f"{ep} does not divide --tp-size {tp}", "choose EP dividing TP"))

@@ -169,6 +169,7 @@ ENV = (
     EnvRule("SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT", None, ("0",)),
     EnvRule("SGLANG_RETURN_ORIGINAL_LOGPROB", None, ("0", "false", "False")),
     EnvRule("SGLANG_ENABLE_CUSTOM_ALL_REDUCE_V2_MULTINODE", None, ("0", "false", "False")),
+    EnvRule("SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", "64"),
 )
 
 CONTRACT = register(Contract(

@@ -10,7 +10,7 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "3dfded3cd16abf37a11818ec68750c075753e5eefe5d1adbd4dfed71e22a5b1f"
+GOLDEN_FINGERPRINT = "df2953b4ccf5d4c2fa1ad5c27cd0f416bf242d4395f9fd8f2c3f7db41d3af2bb"
 
 
 def test_round_trip_is_identity():

@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "3dfded3cd16abf37a11818ec68750c075753e5eefe5d1adbd4dfed71e22a5b1f"
+FP = "df2953b4ccf5d4c2fa1ad5c27cd0f416bf242d4395f9fd8f2c3f7db41d3af2bb"
 
 
 def _launch(*args, env_extra=None):

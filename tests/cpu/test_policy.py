@@ -41,6 +41,7 @@ def test_valid_plan_resolves_forced_args(tiny_cache, clean_env):
     (["--ep-size", "2"], "--ep-size"),
     (["--pp-size", "2"], "--pp-size"),
     (["--use-ray"], "--use-ray"),
+    (["--chunked-prefill-size", "100"], "--chunked-prefill-size"),
 ])
 def test_each_forbidden_input_is_caught(tiny_cache, clean_env, argv, subject):
     with pytest.raises(PolicyError) as e:
