@@ -54,6 +54,9 @@ def _register() -> None:
                 logger.info("true-on-policy patch %s: %s", record.patch, line)
     else:
         install_validation(policy)
+        from true_on_policy.patches import seeds
+
+        seeds.apply(policy)  # the tokenizer side lives in the launching process
 
 
 def add_rl_target(name: str) -> None:
