@@ -16,3 +16,13 @@ def run_py(code: str, env_extra=None, cwd=None, timeout=240) -> subprocess.Compl
     e.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
                           cwd=cwd or ROOT, timeout=timeout)
+
+
+def expect_value_errors(*calls) -> None:
+    """Each call must raise ValueError (bad input refused); used by the interpreted kernel scripts."""
+    for i, call in enumerate(calls):
+        try:
+            call()
+        except ValueError:
+            continue
+        raise AssertionError(f"bad input #{i} accepted")
