@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tier in one command, on any machine with an NVIDIA GPU and sglang 0.5.17 installed:
 #   bash tests/gpu/run_gpu_tier.sh [OUT_DIR]          (default OUT_DIR: evidence/gpu-run)
-# Runs `pytest -m gpu` (evidence: OUT_DIR/gpu-tier.json) and the parity harness for stock SGLang
-# and for --true-on-policy on the embedded model (OUT_DIR/parity-{stock,tpo}-embedded.json).
+# Runs `pytest -m gpu` (evidence: OUT_DIR/gpu-tier.json) and the parity harness on the embedded
+# model (OUT_DIR/parity-{stock,tpo}-embedded.json): stock SGLang against stock transformers, and
+# --true-on-policy against the patched transformers trainer (the bitwise claim).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${1:-evidence/gpu-run}
@@ -13,7 +14,8 @@ python3 -c "from importlib.metadata import entry_points as e; assert any(x.name 
   || bash tests/gpu/dev_install.sh || exit 1
 rc=0
 for mode in ${PARITY_MODES:-stock tpo}; do
-  python3 -m true_on_policy.parity --mode "$mode" --prompts "${PARITY_PROMPTS:-64}" \
+  trainer=hf; [ "$mode" = tpo ] && trainer=patched
+  python3 -m true_on_policy.parity --mode "$mode" --trainer "$trainer" --prompts "${PARITY_PROMPTS:-64}" \
     --new-tokens "${PARITY_NEW_TOKENS:-64}" --out "$OUT_DIR/parity-$mode-embedded.json" \
     > "$OUT_DIR/parity-$mode.log" 2>&1 || { rc=1; echo "parity $mode FAILED"; }
   tail -n 1 "$OUT_DIR/parity-$mode.log"
