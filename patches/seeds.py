@@ -5,7 +5,8 @@ samples of a GRPO group (``sampling_params["n"] = n``) come out identical. When 
 for n > 1 samples, sample j (0-based, the order SGLang expands them in) gets
 ``derive_seed(base, j)``, where ``base`` is the request's ``sampling_seed`` if given, else 42:
 reproducible (same base, same j -> same seed) and distinct within the group. Requests with
-n == 1 are left alone: set ``sampling_seed`` per request to vary them.
+n == 1 are left alone: set ``sampling_seed`` per request to vary them. Inert (stock seeds) while
+``SGLANG_TRUE_ON_POLICY`` is not 1 in this process, e.g. for a stock engine started later.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def derive_seed(base: int, sample_index: int) -> int:
 
 
 def _per_sample_seeds(_result, req, num, *args, **kwargs) -> None:
+    from true_on_policy import env
+
+    if env.ENABLED.get() != "1":  # a stock engine in the same process stays stock
+        return
     n = getattr(req, "parallel_sample_num", 1) or 1
     params = req.sampling_params
     if n <= 1 or not isinstance(params, list) or not params:

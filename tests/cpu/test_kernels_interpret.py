@@ -76,6 +76,26 @@ def test_triton_kernels_under_interpreter():
     assert r.returncode == 0 and "interpreted-ok" in r.stdout, r.stderr[-3000:]
 
 
+def test_embedding_is_exact_and_shards_sum_exactly():
+    from true_on_policy.kernels.embedding import embedding_reference
+
+    g = torch.Generator().manual_seed(9)
+    w, ids = torch.randn(64, 16, generator=g).bfloat16(), torch.randint(0, 64, (5, 7), generator=g)
+    full = embedding_reference(ids, w)
+    assert torch.equal(full, torch.nn.functional.embedding(ids, w))
+    shards = [embedding_reference(ids, w[r * 16:(r + 1) * 16], r * 16) for r in range(4)]
+    assert torch.equal((shards[3] + shards[1]) + (shards[0] + shards[2]), full)  # any order
+
+
+def test_every_numerics_provider_exists():
+    import importlib
+
+    from true_on_policy.contract import get_contract
+
+    for row in get_contract("qwen3_moe_true_on_policy_v1").numerics:
+        assert importlib.import_module(row.provider), row.provider
+
+
 def test_matmul_reference_vs_float64_and_tree_order():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(5, 256, generator=g).bfloat16(), torch.randn(33, 256, generator=g).bfloat16()

@@ -17,6 +17,10 @@ def expand(**kw):
 stock = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4, "temperature": 1.0})
 assert all("sampling_seed" not in p for p in stock.sampling_params)  # stock: every sample gets 42 later
 seeds.apply(RuntimePolicy(get_contract("qwen3_moe_true_on_policy_v1"), "launcher"))
+import os
+off = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4})
+assert all("sampling_seed" not in p for p in off.sampling_params)  # overlay not enabled: inert
+os.environ["SGLANG_TRUE_ON_POLICY"] = "1"
 r = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4, "temperature": 1.0})
 s = [p["sampling_seed"] for p in r.sampling_params]
 assert len(set(s)) == 4 and s == [seeds.derive_seed(42, j) for j in range(4)], s

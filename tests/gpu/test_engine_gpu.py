@@ -1,6 +1,6 @@
 """GPU tier: the Python engine under the contract, and the parity harness end to end.
 
-Chain checked here (later issues extend it to rollout == trainer bitwise):
+Chain checked here (rollout == trainer bitwise: test_rollout_gpu.py and the parity harness):
 TrueOnPolicyEngine starts only with every scheduler's manifest present -> the same requests
 twice give bitwise the same tokens and log-probs -> the harness measures rollout vs trainer.
 """
