@@ -46,8 +46,12 @@ assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'rop
 assert all(': ' in l and ' -> ' in l for l in lines)
 assert patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler')) is m
 assert q.Qwen3MoeAttention.__init__ is not orig[0]
-assert sorted(patches.undo_all()) == sorted(l.split(':')[0] for l in lines)
+targets = sorted(l.split(':')[0] for l in lines)
+originals = {t: patching.applied()[t].original for t in targets}
+assert all(patching.resolve(t)[2] is patching.applied()[t].new for t in targets)  # installed where looked up
+assert sorted(patches.undo_all()) == targets
 assert (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__) == orig
+assert all(patching.resolve(t)[2] is originals[t] for t in targets), 'every symbol restored'
 print('ok')
 """
     r = run_py(code)
