@@ -10,7 +10,6 @@ Both providers compute the same function; only the Triton one is bitwise equal t
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import torch
@@ -140,6 +139,3 @@ def _ref_attention_f32(q, k, v, batch, seq, scale):
     s = s.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.einsum("bhtl,blhd->bthd", torch.softmax(s, -1), vb).to(q.dtype).reshape(q.shape)
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
