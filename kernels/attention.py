@@ -30,8 +30,9 @@ BLOCK_N = 64  # keys per block, at absolute positions; fixed (the contract's 64-
 NUM_WARPS = 4
 
 
-def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None):
-    """Plain torch, one sequence at a time: softmax(q k^T * scale + causal) v in fp32."""
+def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None, acc=torch.float32):
+    """Plain torch, one sequence at a time: softmax(q k^T * scale + causal) v in ``acc``
+    (fp32 by default), rounded through fp32 to q's dtype."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q)
     g = q.shape[1] // k_buf.shape[1]
@@ -40,13 +41,13 @@ def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale
         if n == 0:
             continue
         idx = kv_index[b, : p0 + n].long()
-        k = k_buf[idx].float().repeat_interleave(g, dim=1)  # [L, Hq, D]
-        v = v_buf[idx].float().repeat_interleave(g, dim=1)
-        qb = q[s0:s0 + n].float()
+        k = k_buf[idx].to(acc).repeat_interleave(g, dim=1)  # [L, Hq, D]
+        v = v_buf[idx].to(acc).repeat_interleave(g, dim=1)
+        qb = q[s0:s0 + n].to(acc)
         s = torch.einsum("thd,lhd->htl", qb, k) * scale
         pos = p0 + torch.arange(n, device=q.device)
         s = s.masked_fill(torch.arange(p0 + n, device=q.device)[None, None, :] > pos[None, :, None], float("-inf"))
-        out[s0:s0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v).to(q.dtype)
+        out[s0:s0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v).float().to(q.dtype)
     return out
 
 

@@ -24,9 +24,10 @@ VBLOCK = 4096  # fixed chunk of the vocabulary (no autotune; independent of the 
 SHARDS = 8  # virtual vocabulary shards (the contract's V; TP degrees dividing it are supported)
 
 
-def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    z = logits.float() / temperature
-    return torch.log_softmax(z, dim=-1).gather(-1, tokens.long()[:, None])[:, 0]
+def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                             acc: torch.dtype = torch.float32) -> torch.Tensor:
+    z = logits.to(acc) / temperature
+    return torch.log_softmax(z, dim=-1).gather(-1, tokens.long()[:, None])[:, 0].float()
 
 
 @triton.jit

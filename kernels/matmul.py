@@ -43,10 +43,14 @@ def tree_sum(parts):
     return parts[0]
 
 
-def matmul_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1) -> torch.Tensor:
-    """x [M, K], w [N, K] -> [M, N]: fp32 partial GEMM per K segment, tree-summed, one rounding."""
+def matmul_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1,
+                     acc: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K], w [N, K] -> [M, N]: partial GEMM per K segment accumulated in ``acc`` and kept
+    as fp32, fp32 tree over the segments, one rounding. ``acc=torch.float64`` makes each row's
+    result independent of CPU BLAS blocking (the trainer's CPU provider)."""
     seg = x.shape[1] // segments
-    parts = [x[:, s * seg:(s + 1) * seg].float() @ w[:, s * seg:(s + 1) * seg].float().T for s in range(segments)]
+    parts = [(x[:, s * seg:(s + 1) * seg].to(acc) @ w[:, s * seg:(s + 1) * seg].to(acc).T).float()
+             for s in range(segments)]
     return tree_sum(parts).to(out_dtype or x.dtype)
 
 

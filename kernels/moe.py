@@ -56,16 +56,16 @@ def combine_reference(e: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16
     return acc.to(out_dtype)
 
 
-def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True):
-    """Whole block, one process, expert by expert in plain torch."""
-    logits = matmul_reference(x, router_w)
+def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True, acc=torch.float32):
+    """Whole block, one process, expert by expert in plain torch (GEMMs accumulated in ``acc``)."""
+    logits = matmul_reference(x, router_w, acc=acc)
     w, ids = route_reference(logits, top_k, norm_topk)
     e = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
     for ex in range(w13.shape[0]):
         t, j = torch.where(ids == ex)
         if t.numel():
-            h = silu_mul_reference(matmul_reference(x[t], w13[ex]))
-            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=VIRTUAL)
+            h = silu_mul_reference(matmul_reference(x[t], w13[ex], acc=acc))
+            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=VIRTUAL, acc=acc)
     return combine_reference(e, w, x.dtype)
 
 

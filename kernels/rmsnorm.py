@@ -18,11 +18,12 @@ import triton.language as tl
 BLOCK = 1024  # fixed: the reduction order must not depend on the token count (no autotune)
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Plain torch, the clearest form. Returns ``out`` or ``(out, new_residual)``."""
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                      acc: torch.dtype = torch.float32):
+    """Plain torch, the clearest form (norm computed in ``acc``). Returns ``out`` or ``(out, new_residual)``."""
     s = x if residual is None else (x + residual)  # bf16 + bf16 rounds to bf16
-    xf = s.float()
-    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    xf = s.to(acc)
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).float().to(x.dtype)
     out = weight * n
     return out if residual is None else (out, s)
 

@@ -165,7 +165,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
     manifest = Manifest(role="trainer:transformers", contract=c.name, fingerprint=c.fingerprint,
                         patches=[PatchRecord("trainer.hf_qwen3_moe", replaced,
                                              [f"provider={provider}", f"attention={ATTENTION_NAME} (AttentionInterface)"])])
-    setattr(model, _STATE, {"provider": provider, "manifest": manifest, "originals": originals})
+    setattr(model, _STATE, {"provider": provider, "ops": ops, "manifest": manifest, "originals": originals})
     return manifest
 
 
@@ -208,6 +208,6 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     b, s = input_ids.shape
     pos = torch.arange(s, device=input_ids.device).expand(b, s)
     logits = model(input_ids=input_ids, position_ids=pos, use_cache=False).logits  # fp32 [B, S, V]
-    ops = providers.get(state["provider"])
+    ops = state["ops"]
     lp = ops.logprobs(logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1), float(temperature))
     return lp.view(b, s - 1)
