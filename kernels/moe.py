@@ -189,6 +189,14 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int):
     return rows[:-1], be.to(torch.int32), pos
 
 
+def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):
+    """Rank ``rank``'s slice of the intermediate dim under expert TP (SGLang's layout): the
+    matching rows of both halves of w13 ([gate; up]) and columns of w2."""
+    inter = w2.shape[2]
+    a, b = rank * inter // world, (rank + 1) * inter // world
+    return torch.cat([w13[:, a:b], w13[:, inter + a:inter + b]], 1).contiguous(), w2[:, :, a:b].contiguous()
+
+
 def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.Tensor:
     """fp32 [T*k, H] slot-major outputs of this rank's experts (their subtree roots when the
     intermediate dim is sharded); zero in the slots of experts owned elsewhere."""

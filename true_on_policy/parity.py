@@ -77,18 +77,13 @@ def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float
     info = {"trainer": f"transformers.Qwen3MoeForCausalLM ({trainer})", "dtype": "bfloat16",
             "attn_implementation": model.config._attn_implementation}
     if trainer == "patched":
-        from true_on_policy.trainer import patch_hf_model, token_logprobs
+        from true_on_policy.trainer import patch_hf_model, right_pad, token_logprobs
 
         info["trainer_manifest"] = patch_hf_model(model).to_dict()
         with torch.no_grad():
             for i in range(0, len(sequences), batch_size):
                 chunk = sequences[i:i + batch_size]
-                width = max(map(len, chunk))
-                x = torch.zeros(len(chunk), width, dtype=torch.long, device="cuda")
-                mask = torch.zeros_like(x)
-                for r, ids in enumerate(chunk):
-                    x[r, :len(ids)], mask[r, :len(ids)] = torch.tensor(ids), 1
-                lp = token_logprobs(model, x, mask, temperature)
+                lp = token_logprobs(model, *right_pad(chunk, "cuda"), temperature)
                 for r, (ids, p) in enumerate(zip(chunk, prompt_lens[i:i + batch_size], strict=True)):
                     out.append(lp[r, p - 1:len(ids) - 1].cpu())
     elif trainer == "hf":

@@ -191,6 +191,18 @@ def _check_right_padded(mask: torch.Tensor):
                                 "left padding and packed rows are not supported")
 
 
+def right_pad(seqs, device=None, pad_id: int = 0):
+    """Sequences (lists or 1-D tensors of token ids) -> (input_ids, attention_mask) [B, max_len],
+    right-padded: the layout ``token_logprobs`` accepts."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)] = torch.as_tensor(s, dtype=torch.long, device=device)
+        mask[r, :len(s)] = 1
+    return ids, mask
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
     """fp32 [batch, seq-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) under the contract

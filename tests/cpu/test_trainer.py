@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from true_on_policy import tiny_model
-from true_on_policy.trainer import TrainerPatchError, patch_hf_model, token_logprobs, unpatch_hf_model
+from true_on_policy.trainer import TrainerPatchError, patch_hf_model, right_pad, token_logprobs, unpatch_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +23,6 @@ def model(path):
 def _seqs(seed, lengths, vocab=512):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-
-
-def _padded(seqs):
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, :len(s)], mask[r, :len(s)] = s, 1
-    return ids, mask
 
 
 def _stock_lp(m, ids):
@@ -61,13 +52,13 @@ def test_padding_and_micro_batch_invariance_bitwise(model):
     seqs = _seqs(1, [30, 7, 45, 2, 30, 19])
     with torch.no_grad():
         alone = [token_logprobs(model, s[None])[0] for s in seqs]
-        ids, mask = _padded(seqs)
+        ids, mask = right_pad(seqs)
         batch = token_logprobs(model, ids, mask)
         for r, s in enumerate(seqs):
             assert torch.equal(batch[r, :len(s) - 1], alone[r]), r
         for mb in (1, 2, 4):
             for i in range(0, len(seqs), mb):
-                ids, mask = _padded(seqs[i:i + mb])
+                ids, mask = right_pad(seqs[i:i + mb])
                 got = token_logprobs(model, ids, mask, 1.0)
                 for r, s in enumerate(seqs[i:i + mb]):
                     assert torch.equal(got[r, :len(s) - 1], alone[i + r]), (mb, i + r)

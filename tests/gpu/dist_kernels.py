@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 from true_on_policy.kernels.logprobs import token_logprobs
-from true_on_policy.kernels.moe import moe
+from true_on_policy.kernels.moe import moe, tp_shard
 from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reduce_scatter
 
 
@@ -44,9 +44,7 @@ def main(out_path):
     w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) * 0.03).bfloat16()
     w2 = (torch.randn(e, h, inter, device="cuda", generator=g) * 0.03).bfloat16()
     y = moe(xt, rw, w13, w2, kk)
-    a, b = rank * inter // world, (rank + 1) * inter // world
-    w13r = torch.cat([w13[:, a:b], w13[:, inter + a:inter + b]], 1).contiguous()
-    _check("moe_tp", moe(xt, rw, w13r, w2[:, :, a:b].contiguous(), kk, tp_group=dist.group.WORLD), y, res)
+    _check("moe_tp", moe(xt, rw, *tp_shard(w13, w2, rank, world), kk, tp_group=dist.group.WORLD), y, res)
     n = e // world
     _check("moe_ep", moe(xt, rw, w13[rank * n:(rank + 1) * n].contiguous(), w2[rank * n:(rank + 1) * n].contiguous(), kk,
                          ep_group=dist.group.WORLD), y, res)

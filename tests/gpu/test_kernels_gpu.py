@@ -12,7 +12,7 @@ import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
 from true_on_policy.kernels.logprobs import SHARDS, finish, shard_stats, token_logprobs, token_logprobs_reference
 from true_on_policy.kernels.matmul import matmul, tree_sum
-from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route
+from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, tp_shard
 from true_on_policy.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
 from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reference
@@ -161,9 +161,7 @@ def test_moe(hidden, experts, top_k, inter, gpu_evidence):
     for t in (2, 4, 8):
         parts = []
         for r in range(t):
-            a, b = r * inter // t, (r + 1) * inter // t
-            w13r = torch.cat([w13[:, a:b], w13[:, inter + a:inter + b]], 1).contiguous()
-            parts.append(expert_outputs(x, ids, w13r, w2[:, :, a:b].contiguous(), 0, 8 // t))
+            parts.append(expert_outputs(x, ids, *tp_shard(w13, w2, r, t), 0, 8 // t))
         _same(combine(tree_sum(parts), slots, w, x.dtype), y, f"MoE TP={t}")
     for ep in (2, 4):
         n = experts // ep

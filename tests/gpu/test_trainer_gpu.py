@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from true_on_policy import tiny_model
-from true_on_policy.trainer import patch_hf_model, token_logprobs
+from true_on_policy.trainer import patch_hf_model, right_pad, token_logprobs
 
 pytestmark = pytest.mark.gpu
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_grouped_mm",
@@ -22,20 +22,11 @@ def _seqs(seed, lengths):
     return [torch.randint(0, 512, (n,), generator=g).cuda() for n in lengths]
 
 
-def _padded(seqs):
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long, device="cuda")
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, :len(s)], mask[r, :len(s)] = s, 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("geometry", ["embedded", "wide"])
 def test_trainer_triton_accuracy_invariance_no_cublas(geometry, tiny_cache, gpu_evidence):
     model = _load(geometry)
     seqs = _seqs(0, [200, 3, 64, 65, 129, 17, 200, 90])
-    ids, mask = _padded(seqs)
+    ids, mask = right_pad(seqs, "cuda")
     with torch.no_grad():
         stock = torch.log_softmax(model(ids).logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     m64 = _load(geometry, torch.float64, experts_implementation="eager")
@@ -56,7 +47,7 @@ def test_trainer_triton_accuracy_invariance_no_cublas(geometry, tiny_cache, gpu_
             assert torch.equal(batch[r, :len(s) - 1], alone[r]), f"row {r} alone vs padded batch"
         for mb in (2, 3, 5):
             for i in range(0, len(seqs), mb):
-                sub, m = _padded(seqs[i:i + mb])
+                sub, m = right_pad(seqs[i:i + mb], "cuda")
                 got = token_logprobs(model, sub, m)
                 for r, s in enumerate(seqs[i:i + mb]):
                     assert torch.equal(got[r, :len(s) - 1], alone[i + r]), (mb, i + r)
@@ -79,7 +70,7 @@ def test_trainer_triton_accuracy_invariance_no_cublas(geometry, tiny_cache, gpu_
 def test_trainer_training_step(tiny_cache, gpu_evidence):
     model = _load("embedded").train()
     patch_hf_model(model)
-    ids, mask = _padded(_seqs(1, [40, 33, 12]))
+    ids, mask = right_pad(_seqs(1, [40, 33, 12]), "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = -(token_logprobs(model, ids, mask) * mask[:, 1:]).sum() / mask[:, 1:].sum()
     loss.backward()

@@ -8,7 +8,7 @@ sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_in
 from helpers import expect_value_errors  # noqa: E402
 from true_on_policy.kernels.logprobs import SHARDS, _tree, finish, shard_stats, token_logprobs, token_logprobs_reference
 from true_on_policy.kernels.matmul import matmul, tree_sum
-from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, route_reference
+from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, route_reference, tp_shard
 
 g = torch.Generator().manual_seed(0)
 T, H, E, I, K = 37, 64, 8, 32, 2
@@ -30,9 +30,7 @@ slots = torch.arange(T * K).view(-1, K)
 for t in (2, 4):  # TP: intermediate dim split, per-slot subtree roots, tree before the combine
     parts = []
     for r in range(t):
-        a, b = r * I // t, (r + 1) * I // t
-        w13r = torch.cat([w13[:, a:b], w13[:, I + a:I + b]], 1).contiguous()
-        parts.append(expert_outputs(x, ids, w13r, w2[:, :, a:b].contiguous(), 0, 8 // t))
+        parts.append(expert_outputs(x, ids, *tp_shard(w13, w2, r, t), 0, 8 // t))
     assert torch.equal(combine(tree_sum(parts), slots, w, x.dtype), y), t
 for ep in (2, 4):  # EP: experts split; owner computes, zeros elsewhere, sum = gather
     n = E // ep
