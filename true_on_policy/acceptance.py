@@ -23,12 +23,12 @@ import sys
 import tempfile
 import time
 
+from true_on_policy.parity import make_prompts, sampled
+
 CHUNK = 128
 
 
 def _prompts(n, seed, lo=4, hi=300):
-    from true_on_policy.parity import make_prompts
-
     return make_prompts(n, 256, seed, lo, hi)
 
 
@@ -36,8 +36,7 @@ def _gen(eng, prompts, n_new, temperature, seeds):
     params = [{"temperature": temperature, "max_new_tokens": n_new, "ignore_eos": True, "sampling_seed": s}
               for s in seeds]
     outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-    return [([int(t[1]) for t in o["meta_info"]["output_token_logprobs"]],
-             [float(t[0]) for t in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+    return [sampled(o) for o in outs]
 
 
 def _workload(small):
@@ -72,9 +71,7 @@ def _interleaved(engine, others, target, seed):
         await bg
         return out[0] if isinstance(out, list) else out
 
-    o = engine.loop.run_until_complete(both())
-    lp = o["meta_info"]["output_token_logprobs"]
-    return [int(t[1]) for t in lp], [float(t[0]) for t in lp]
+    return sampled(engine.loop.run_until_complete(both()))
 
 
 def _step(name, what):

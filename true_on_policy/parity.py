@@ -31,6 +31,12 @@ def make_prompts(n: int, vocab: int, seed: int, min_len: int = 4, max_len: int =
     return [torch.randint(0, vocab, (n_,), generator=g).tolist() for n_ in lens]
 
 
+def sampled(output: dict) -> tuple[list[int], list[float]]:
+    """(token ids, their log-probs) of one SGLang generate output."""
+    lp = output["meta_info"]["output_token_logprobs"]
+    return [int(t[1]) for t in lp], [float(t[0]) for t in lp]
+
+
 def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int):
     """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs)."""
     kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
@@ -55,11 +61,7 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
         params = [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
                    "sampling_seed": seed * 100_003 + i} for i in range(len(prompts))]
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        result = []
-        for o in outs:
-            lp = o["meta_info"]["output_token_logprobs"]
-            result.append(([int(t[1]) for t in lp], [float(t[0]) for t in lp]))
-        return result, manifests(), kwargs
+        return [sampled(o) for o in outs], manifests(), kwargs
     finally:
         engine.shutdown()
 

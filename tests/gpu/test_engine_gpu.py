@@ -15,10 +15,10 @@ pytestmark = pytest.mark.gpu
 def _sample(eng, prompts, n_new):
     params = [{"temperature": 1.0, "max_new_tokens": n_new, "ignore_eos": True, "sampling_seed": 1000 + i}
               for i in range(len(prompts))]
-    outs = eng.generate(input_ids=prompts, sampling_params=params)
-    toks = [[t[1] for t in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    lps = [[t[0] for t in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    return toks, lps
+    from true_on_policy.parity import sampled
+
+    pairs = [sampled(o) for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    return [t for t, _ in pairs], [lp for _, lp in pairs]
 
 
 def test_engine_repeatable_with_manifests(tiny_cache, gpu_evidence):
