@@ -82,24 +82,36 @@ SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=5)]
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=5),
+         dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=2)]
 
 
 def sweep(tokens):
-    """Tile candidates for the fixed configs (speed only; any fixed config is invariant)."""
+    """Tile candidates for the fixed configs (speed only), and whether each candidate gives the
+    same bits as the first one (a role may pick its own fixed tiles either way; this says
+    whether the choice is also numerically free)."""
     from true_on_policy.kernels.matmul import _launch
-    print("\n| GEMM | tokens | config | ms | cuBLAS ms | speed |\n|---|---:|---|---:|---:|---:|")
+    print("\n| GEMM | tokens | config | ms | cuBLAS ms | speed | bits == first |\n|---|---:|---|---:|---:|---:|---|")
+    rows = []
     for t in tokens:
         for op, n, k, seg in (("qkv", 5120, H, 1), ("lm_head", VOCAB, H, 1), ("o_proj split x8", H, HQ * D, 8)):
             x, w = _r(t, k), _r(n, k, scale=0.02)
             base = _bench(lambda x=x, w=w: x @ w.T)
+            first = None
             for cfg in SWEEP:
                 out = torch.empty((seg, t, n) if seg > 1 else (t, n), dtype=torch.float32 if seg > 1 else x.dtype,
                                   device="cuda")
                 ms = _bench(lambda x=x, w=w, out=out, cfg=cfg, t=t, seg=seg: _launch(x, w, out, None, None, t, seg, cfg, seg > 1))
+                first = out.clone() if first is None else first
+                same = torch.equal(out, first)
                 tag = "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
                     f" w{cfg['num_warps']} s{cfg['num_stages']}"
-                print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} |")
+                print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} | {same} |")
+                rows.append({"op": op, "tokens": t, "config": tag, "ms": ms, "cublas_ms": base, "same_bits": same})
+            del first
+            torch.cuda.empty_cache()
+    return rows
 
 
 def rows_for(t):
@@ -188,13 +200,12 @@ def main(argv=None):
               f"{r['speed_ratio']:.2f} |")
     for name, err in IMPORT_ERRORS.items():
         print(f"baseline {name} not importable: {err}")
-    if args.sweep:
-        sweep(args.tokens)
+    swept = sweep(args.tokens) if args.sweep else None
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": table, "baseline_import_errors": IMPORT_ERRORS},
-                      f, indent=1)
+                       "triton": triton.__version__, "rows": table, "baseline_import_errors": IMPORT_ERRORS,
+                       "sweep": swept}, f, indent=1)
 
 
 if __name__ == "__main__":

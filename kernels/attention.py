@@ -52,10 +52,10 @@ def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, O, KV_INDEX, Q_START, Q_LEN, Q_POS0, scale,
+def _attention_kernel(Q, K, V, O, KV_INDEX, KV_ROWS, Q_START, Q_LEN, Q_POS0, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       stride_ib, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      HAS_ROWS: tl.constexpr, DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -78,10 +78,13 @@ def _attention_kernel(Q, K, V, O, KV_INDEX, Q_START, Q_LEN, Q_POS0, scale,
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     last = p0 + tl.minimum(n_q, (tile + 1) * TOK) - 1  # the tile's largest query position
+    table = KV_INDEX + b.to(tl.int64) * stride_ib
+    if HAS_ROWS:  # sequence b's table is row kv_rows[b] (SGLang: req_to_token[req_pool_indices[b]])
+        table = KV_INDEX + tl.load(KV_ROWS + b).to(tl.int64) * stride_ib
     for start in range(0, last + 1, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos <= last
-        slot = tl.load(KV_INDEX + b.to(tl.int64) * stride_ib + kpos, mask=k_ok, other=0).to(tl.int64)
+        slot = tl.load(table + kpos, mask=k_ok, other=0).to(tl.int64)
         k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
         if DOT_F32:
@@ -105,11 +108,14 @@ def _attention_kernel(Q, K, V, O, KV_INDEX, Q_START, Q_LEN, Q_POS0, scale,
              mask=row_ok[:, None])
 
 
-def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None):
+def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None):
     """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D]; kv_index [B, L] (int32/int64 rows of
     the buffers; every position 0 .. q_pos0[b] + q_len[b] - 1 must be filled); q_start, q_len,
     q_pos0 [B] (first query row, query count, absolute position of the first query);
-    ``max_q_len`` >= max(q_len) (a host int: sizes the grid without a device sync)."""
+    ``max_q_len`` >= max(q_len) (a host int: sizes the grid without a device sync).
+    ``kv_rows`` [B] (optional): sequence b reads row ``kv_rows[b]`` of a larger ``kv_index``
+    (SGLang's whole ``req_to_token`` pool) instead of row b -- the same slots, so the same bits,
+    without gathering the rows first."""
     tq, hq, d = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv or BLOCK_M % (hq // hkv) or d & (d - 1) or d < 16:
@@ -121,15 +127,15 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         raise ValueError("attention: q, k_buf, v_buf and kv_index need a unit last stride")
     g = hq // hkv
     out = torch.empty_like(q)
-    b = kv_index.shape[0]
+    b = kv_index.shape[0] if kv_rows is None else kv_rows.shape[0]
     tiles = triton.cdiv(max_q_len, BLOCK_M // g)
     if b and tiles and tq:
         _attention_kernel[(b, tiles, hkv)](
-            q, k_buf, v_buf, out, kv_index, q_start.to(torch.int32), q_len.to(torch.int32), q_pos0.to(torch.int32),
+            q, k_buf, v_buf, out, kv_index, kv_rows if kv_rows is not None else q_len, q_start.to(torch.int32), q_len.to(torch.int32), q_pos0.to(torch.int32),
             float(scale if scale is not None else 1.0 / math.sqrt(d)),
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
             out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            DOT_F32=INTERPRETED, num_warps=NUM_WARPS)
+            HAS_ROWS=kv_rows is not None, DOT_F32=INTERPRETED, num_warps=NUM_WARPS)
     return out
 
 

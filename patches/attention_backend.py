@@ -42,10 +42,10 @@ def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len)
 
     pool = backend.token_to_kv_pool
     k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    kv_index = backend.req_to_token[forward_batch.req_pool_indices]
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], -1, d), v_buf.view(v_buf.shape[0], -1, d),
-                    kv_index, q_start, q_len, q_pos0, max_q_len, layer.scaling)
+                    backend.req_to_token, q_start, q_len, q_pos0, max_q_len, layer.scaling,
+                    kv_rows=forward_batch.req_pool_indices)
     o.view(-1, hq, d).copy_(out)
     return o
 

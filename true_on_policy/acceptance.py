@@ -137,12 +137,16 @@ def phase(name, model_path, small, out_path):
         json.dump(res, f)
 
 
-def _run_phase(name, model_path, small, folder):
-    out = os.path.join(folder, f"{name}.json")
+def _run_phase(name, model_path, small, folder, resume=False):
+    out = os.path.join(folder, f"acceptance-{name}.json")
+    if resume and os.path.exists(out):
+        _step(name, f"reusing {out}")
+        with open(out) as f:
+            return json.load(f)
     env = dict(os.environ)
     if name == "no_plugin":
         env["SGLANG_PLUGINS"] = "none_but_this_name_matches_nothing"
-    log = os.path.join(os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR") or folder, f"acceptance-{name}.log")
+    log = os.path.join(folder, f"acceptance-{name}.log")
     with open(log, "w") as lf:  # streamed, so a hung phase still leaves its progress behind
         r = subprocess.run([sys.executable, "-m", "true_on_policy.acceptance", "--phase", name, "--model-path",
                             model_path, "--phase-out", out] + (["--small"] if small else []), env=env, stdout=lf,
@@ -167,14 +171,19 @@ def _cmp(a, b):
             "exact_fraction": float((d == 0).double().mean()) if d.numel() else 1.0}
 
 
-def run(geometry="embedded", small=False) -> dict:
+def run(geometry="embedded", small=False, folder=None, resume=False) -> dict:
+    """All phases, then the comparisons. ``folder`` keeps each phase's raw results and streamed
+    log (default: $TRUE_ON_POLICY_EVIDENCE_DIR, else a temporary folder); ``resume`` reuses the
+    phases already there (a run cut short by a time limit continues where it stopped)."""
     from true_on_policy import tiny_model
     from true_on_policy.manifest import package_versions
     from true_on_policy.parity import compare, git_commit, trainer_logprobs
 
     model_path = tiny_model.ensure(geometry)
-    with tempfile.TemporaryDirectory() as folder:
-        ph = {n: _run_phase(n, model_path, small, folder) for n in ("tpo", "eager", "stock", "no_plugin")}
+    folder = folder or os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        ph = {n: _run_phase(n, model_path, small, folder or tmp, resume)
+              for n in ("tpo", "eager", "stock", "no_plugin")}
     w = _workload(small)
     ev = {"geometry": geometry, "small": small, "git_commit": git_commit(), "versions": package_versions(),
           "chunked_prefill_size": CHUNK, "items": {}}
@@ -207,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--geometry", default="embedded")
     p.add_argument("--small", action="store_true", help="fewer prompts and tokens (the GPU test tier)")
     p.add_argument("--out")
+    p.add_argument("--folder", help="keep phase results and logs here (default $TRUE_ON_POLICY_EVIDENCE_DIR)")
+    p.add_argument("--resume", action="store_true", help="reuse phase results already in --folder")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     p.add_argument("--phase-out", help=argparse.SUPPRESS)
@@ -214,7 +225,7 @@ def main(argv=None) -> int:
     if a.phase:
         phase(a.phase, a.model_path, a.small, a.phase_out)
         return 0
-    ev = run(a.geometry, a.small)
+    ev = run(a.geometry, a.small, a.folder, a.resume)
     text = json.dumps(ev, indent=1, default=str)
     if a.out:
         with open(a.out, "w") as f:

@@ -7,7 +7,7 @@ from true_on_policy import acceptance, parity
 
 
 def _fake_phases(flip_eager=False, flip_interleaved=False):
-    def run_phase(name, model_path, small, folder):
+    def run_phase(name, model_path, small, folder, resume=False):
         w = acceptance._workload(small)
         out = {}
         for t in (1.0, 0.7):
@@ -51,3 +51,9 @@ def test_report_catches_a_one_ulp_difference_and_a_token_change(tiny_cache, monk
     assert not items["4_graph_eq_eager_t1.0"]["bitwise"] and items["4_graph_eq_eager_t1.0"]["max_abs_diff"] > 0
     assert not items["2_alone_eq_interleaved"]["bitwise"] and not items["2_alone_eq_interleaved"]["tokens_equal"]
     assert items["4_graph_eq_eager_t0.7"]["bitwise"]
+
+
+def test_resume_reuses_a_finished_phase_without_starting_an_engine(tmp_path):
+    (tmp_path / "acceptance-eager.json").write_text('{"phase": "eager", "sample_t1.0": []}')
+    got = acceptance._run_phase("eager", "/nonexistent/model", True, str(tmp_path), resume=True)
+    assert got == {"phase": "eager", "sample_t1.0": []}

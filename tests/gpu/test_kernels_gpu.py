@@ -112,6 +112,10 @@ def test_attention_prefill_decode_chunked(hq, hkv, d, gpu_evidence):
     kb[perm], vb[perm] = k, v
     table = perm.int()[None].contiguous()
     _same(attention(q, kb, vb, table, st, ln, p0, L), full, "paged == contiguous")
+    pool_rows = torch.zeros(4, L + 9, dtype=torch.int32, device="cuda")
+    pool_rows[2, :L] = table[0]
+    _same(attention(q, kb, vb, pool_rows, st, ln, p0, L, kv_rows=torch.tensor([2], device="cuda")), full,
+          "row indirection (req_to_token[req_pool_indices]) == gathered table")
     pos = [0, 1, 62, 63, 64, 65, 127, 128, 129, 191, 192, 255, 256, 299]
     # all decode steps in one batch: B sequences sharing the table, one query each
     tables = table.expand(len(pos), L).contiguous()

@@ -28,6 +28,12 @@ for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
     kv2 = torch.stack([table[0], table[0]])
     both = attention(q2, kb, vb, kv2, torch.tensor([0, 40]), torch.tensor([40, L]), torch.tensor([0, 0]), L)
     assert torch.equal(both[:40], full[:40]) and torch.equal(both[40:], full)
+    # the same two sequences through a row indirection into a larger pool (SGLang's req_to_token)
+    pool_rows = torch.zeros(5, L + 3, dtype=torch.int32)
+    pool_rows[3, :L], pool_rows[1, :L] = table[0], table[0]
+    rows = attention(q2, kb, vb, pool_rows, torch.tensor([0, 40]), torch.tensor([40, L]), torch.tensor([0, 0]), L,
+                     kv_rows=torch.tensor([3, 1]))
+    assert torch.equal(rows, both), hq
     c, s = cos_sin(torch.arange(L), d, 1e6)
     r = apply_rope(q, c, s)
     torch.testing.assert_close(r.float(), apply_rope_reference(q, c, s).float(), rtol=2e-2, atol=4e-2)
