@@ -62,6 +62,21 @@ def _sgl_decode():
     return _try("sglang decode_attention_fwd", imp)
 
 
+def _sgl_one_rank_world():
+    import socket
+
+    from sglang.srt.distributed import parallel_state as ps
+
+    if ps._TP is not None:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="nccl",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
 def _sgl_fused_moe():
     def imp():
         from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
@@ -71,8 +86,10 @@ def _sgl_fused_moe():
 
         from true_on_policy import tiny_model
 
-        # fused_moe reads SGLang's published runtime config; publish a default one
+        # fused_moe reads SGLang's published runtime config and allocates its output through the
+        # TP group (symmetric-memory hook): publish a default config, start a one-rank world
         set_global_server_args_for_scheduler(ServerArgs(model_path=tiny_model.ensure(), device="cuda"))
+        _sgl_one_rank_world()
         return fused_moe, MoeRunnerConfig, StandardTopKOutput
     return _try("sglang fused_moe", imp)
 
@@ -87,11 +104,20 @@ SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=2)]
 
 
+TMA_SWEEP = [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+             dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+             dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+             dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=4)]
+
+
 def sweep(tokens):
     """Tile candidates for the fixed configs (speed only), and whether each candidate gives the
     same bits as the first one (a role may pick its own fixed tiles either way; this says
     whether the choice is also numerically free)."""
-    from true_on_policy.kernels.matmul import _launch
+    from true_on_policy.kernels.matmul import _launch, _launch_tma
     print("\n| GEMM | tokens | config | ms | cuBLAS ms | speed | bits == first |\n|---|---:|---|---:|---:|---:|---|")
     rows = []
     for t in tokens:
@@ -109,6 +135,18 @@ def sweep(tokens):
                     f" w{cfg['num_warps']} s{cfg['num_stages']}"
                 print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} | {same} |")
                 rows.append({"op": op, "tokens": t, "config": tag, "ms": ms, "cublas_ms": base, "same_bits": same})
+            for cfg in TMA_SWEEP if seg == 1 else ():
+                out = torch.empty(t, n, dtype=x.dtype, device="cuda")
+                try:
+                    ms = _bench(lambda x=x, w=w, out=out, cfg=cfg: _launch_tma(x, w, out, cfg))
+                except Exception as e:  # noqa: BLE001  (a candidate that does not compile is reported)
+                    print(f"| {op} | {t} | TMA {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
+                    continue
+                same = torch.equal(out, first)
+                tag = "TMA " + "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
+                    f" w{cfg['num_warps']} s{cfg['num_stages']}"
+                print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} | {same} |")
+                rows.append({"op": op, "tokens": t, "config": tag, "ms": ms, "cublas_ms": base, "same_bits": same})
             del first
             torch.cuda.empty_cache()
     return rows
@@ -122,9 +160,11 @@ def rows_for(t):
     base = (name, lambda: f(x, w, 1e-6)) if f else ("torch (HF order)", lambda: (
         w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()))
     out.append(("rmsnorm", t, lambda: rmsnorm(x, w, 1e-6), *base))
-    for op, n, k in (("qkv_proj GEMM", (HQ + 2 * HKV) * D, H), ("router GEMM", E, H), ("lm_head GEMM", VOCAB, H)):
+    for op, n, k, role in (("qkv_proj GEMM", (HQ + 2 * HKV) * D, H, "plain"), ("router GEMM", E, H, "plain"),
+                           ("lm_head GEMM", VOCAB, H, "lm_head")):
         xa, wa = _r(t, k), _r(n, k, scale=0.02)
-        out.append((op, t, lambda xa=xa, wa=wa: matmul(xa, wa), "cuBLAS (torch.mm)", lambda xa=xa, wa=wa: xa @ wa.T))
+        out.append((op, t, lambda xa=xa, wa=wa, role=role: matmul(xa, wa, role=role), "cuBLAS (torch.mm)",
+                    lambda xa=xa, wa=wa: xa @ wa.T))
     xo, wo = _r(t, HQ * D), _r(H, HQ * D, scale=0.02)
     out.append(("o_proj GEMM + tree (TP1)", t, lambda: row_linear(xo, wo), "cuBLAS (torch.mm)", lambda: xo @ wo.T))
     q = _r(t, HQ + HKV, D)
@@ -182,9 +222,10 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     ap.add_argument("--out")
     ap.add_argument("--sweep", action="store_true", help="also time GEMM tile candidates")
+    ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tile candidates")
     args = ap.parse_args(argv)
     table = []
-    for t in args.tokens:
+    for t in () if args.sweep_only else args.tokens:
         for op, n, ours, base_name, base in rows_for(t):
             ours_ms = _bench(ours)
             try:
@@ -200,7 +241,7 @@ def main(argv=None):
               f"{r['speed_ratio']:.2f} |")
     for name, err in IMPORT_ERRORS.items():
         print(f"baseline {name} not importable: {err}")
-    swept = sweep(args.tokens) if args.sweep else None
+    swept = sweep(args.tokens) if args.sweep or args.sweep_only else None
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

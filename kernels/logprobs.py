@@ -111,6 +111,17 @@ def temperatures(temperature, rows: int, device) -> torch.Tensor:
     return torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
 
 
+def token_z(logits: torch.Tensor, tokens: torch.Tensor, temp: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """fp32 ``logits[row, token - offset] / T[row]`` (IEEE division by the per-row temperature
+    tensor; 0 where the token is outside this slice). The one place the token's z is formed, for
+    both forms and the tests: dividing by a Python float instead would let torch multiply by a
+    rounded reciprocal, which is not the same bits."""
+    tok = tokens.long() - offset
+    mine = (tok >= 0) & (tok < logits.shape[1])
+    z = logits.gather(1, tok.clamp(0, logits.shape[1] - 1)[:, None])[:, 0].float() / temp
+    return torch.where(mine, z, 0.0)
+
+
 def shard_stats(logits: torch.Tensor, temperature, n_shards: int) -> torch.Tensor:
     """[rows, n_shards, 2] fp32 (max, sum of exp) per shard of this logits slice."""
     rows, v = logits.shape
@@ -151,17 +162,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, 
         _check(logits, tokens, temperature, vocab)
     temp = temperatures(temperature, logits.shape[0], logits.device)
     stats = shard_stats(logits, temp, SHARDS // world)
-    tok = tokens.long()
     if world > 1:
-        rank = dist.get_rank(group)
-        lo = rank * logits.shape[1]
-        mine = (tok >= lo) & (tok < lo + logits.shape[1])
-        z_tok = torch.where(mine, logits.gather(1, (tok - lo).clamp(0, logits.shape[1] - 1)[:, None])[:, 0].float()
-                            / temp, 0.0)
+        z_tok = token_z(logits, tokens, temp, dist.get_rank(group) * logits.shape[1])
         gathered = [torch.empty_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats.contiguous(), group=group)
         stats = torch.cat(gathered, dim=1)
         dist.all_reduce(z_tok, group=group)  # one rank holds the token: x + 0 + ... is exact
     else:
-        z_tok = logits.gather(1, tok[:, None])[:, 0].float() / temp
+        z_tok = token_z(logits, tokens, temp)
     return finish(stats, z_tok)

@@ -31,6 +31,9 @@ MAX_SEGMENTS = 8
 # TRITON_INTERPRET=1 (CPU tier only) dots therefore run in fp64 (exact products of bf16) and
 # are rounded to fp32, so the CPU tier can check the kernels' tiling and masking bitwise.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# TRUE_ON_POLICY_GEMM_TMA=0 forces the pointer-load kernel for plain GEMMs (same bits; a switch
+# for debugging and for the GPU tier's TMA == pointer check).
+USE_TMA = os.environ.get("TRUE_ON_POLICY_GEMM_TMA", "1") != "0"
 
 
 def tree_sum(parts):
@@ -139,6 +142,71 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(OUT + offs, r.to(OUT.dtype.element_ty), mask=m)
 
 
+# Plain GEMMs on Hopper and newer: operands fetched by TMA (tensor descriptors) instead of
+# pointer loads; the same tl.dot over the same BLOCK_K chunks of K from k = 0 upward into one
+# fp32 accumulator, so the same per-element math (the GPU tier checks TMA == pointer path
+# bitwise). Programs are grouped GROUP_M tiles down M for L2 reuse of W (order only: no effect
+# on any element).
+# Tiles per role, chosen by the caller (never by the token count): the plain GEMMs, and lm_head
+# (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
+TMA = {"plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+       "lm_head": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)}
+GROUP_M = 8
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * n_n
+    first_m = (pid // per_group) * GROUP
+    size_m = tl.minimum(n_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k])
+        b = b_desc.load([pid_n * BLOCK_N, k])
+        acc = tl.dot(a, b.T, acc)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+_HOPPER: dict = {}
+
+
+def _tma_ok(x, w, out) -> bool:
+    """TMA needs Hopper+, 16-byte aligned bases and row strides, unit last strides."""
+    if INTERPRETED or not x.is_cuda:
+        return False
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _HOPPER:
+        _HOPPER[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
+    if not _HOPPER[dev]:
+        return False
+    return out.stride(-1) == 1 and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+                                       and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
+
+
+def _launch_tma(x, w, out, cfg=None):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = dict(cfg or TMA["plain"])
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    m, k = x.shape
+    n = w.shape[0]
+    if m and n:
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        _matmul_tma_kernel[grid](TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+                                 out, m, n, k, out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                                 BLOCK_K=bk, GROUP=GROUP_M, **cfg)
+    return out
+
+
 def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False):
     n, k = w.shape[-2], w.shape[-1]
     if segments not in (1, 2, 4, 8) or k % segments:
@@ -181,16 +249,23 @@ def _tiles(segments: int, tree: bool | None) -> dict:
     return ROW if (segments > 1 if tree is None else tree) else COLUMN
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, tree: bool | None = None):
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, tree: bool | None = None,
+           role: str = "plain"):
     """Launcher: x [M, K], w [N, K] -> [M, N] in ``out_dtype`` (default x.dtype; fp32 keeps the
     unrounded accumulator). Tree GEMMs (``tree=True``, default when ``segments > 1``) use the
     ROW tiles whatever their local segment count, so a TP=8 rank's single segment is computed
-    exactly like one of TP=1's eight."""
+    exactly like one of TP=1's eight. ``role`` ("plain" or "lm_head") picks the TMA tiles of a
+    plain GEMM; every tile computes the same bits (GPU tier), the role only sets the speed."""
     _check(x, w, "matmul")
     if w.dim() != 2:
         raise ValueError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
+    if role not in TMA:
+        raise ValueError(f"matmul: role must be one of {sorted(TMA)}, got {role!r}")
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-    return _launch(x, w, out, None, None, x.shape[0], segments, _tiles(segments, tree))
+    cfg = _tiles(segments, tree)
+    if cfg is COLUMN and USE_TMA and _tma_ok(x, w, out):
+        return _launch_tma(x, w, out, TMA[role])
+    return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
 
 
 ALIGN = 128  # expert groups are padded to this many rows (a multiple of both tiles' BLOCK_M)

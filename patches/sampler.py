@@ -27,7 +27,7 @@ def tpo_lm_head(self, hidden_states, lm_head, embedding_bias=None):
     if not hasattr(lm_head, "weight") or hasattr(lm_head, "set_lora"):
         raise PatchError(f"{LM_HEAD}: only a plain bf16 lm_head is in the contract")
     x = hidden_states.to(lm_head.weight.dtype).contiguous()
-    return matmul(x, lm_head.weight, out_dtype=torch.float32)
+    return matmul(x, lm_head.weight, out_dtype=torch.float32, role="lm_head")
 
 
 def _make_sampler(original):

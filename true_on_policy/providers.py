@@ -71,12 +71,21 @@ def _triton_attention(q, k, v, batch, seq, scale):
     return _att.attention(q.contiguous(), k.contiguous(), v.contiguous(), *layout, seq, scale)
 
 
+def _lm_head(x, w):
+    return _mm.matmul(x, w, torch.float32, role="lm_head")
+
+
+def _lm_head_reference(x, w):
+    return _mm.matmul_reference(x, w, torch.float32)
+
+
 def get(name: str) -> SimpleNamespace:
     """The op set of provider ``name`` (``triton`` or ``reference``)."""
     if name == "reference":
         return SimpleNamespace(
             name=name,
             linear=lambda x, w, dt=None: _mm.matmul_reference(x, w, dt, acc=F64),
+            lm_head=lambda x, w: _mm.matmul_reference(x, w, torch.float32, acc=F64),
             row_linear=lambda x, w: _mm.matmul_reference(x, w, segments=_tree.VIRTUAL, acc=F64),
             rmsnorm=lambda x, w, eps: _rms.rmsnorm_reference(x, w, eps, acc=F64),
             rope=_rope.apply_rope_reference,
@@ -87,6 +96,7 @@ def get(name: str) -> SimpleNamespace:
         return SimpleNamespace(
             name=name,
             linear=_op(_mm.matmul, _mm.matmul_reference),
+            lm_head=_op(_lm_head, _lm_head_reference),
             row_linear=_op(_tree.row_linear, _tree.row_linear_reference),
             rmsnorm=_op(_rms.rmsnorm, _rms.rmsnorm_reference),
             rope=_op(_rope.apply_rope, _rope.apply_rope_reference),

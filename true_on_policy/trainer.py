@@ -114,7 +114,7 @@ def _moe_forward(self, hidden_states):
 
 
 def _lm_head_forward(self, x):
-    return self._true_on_policy_ops.linear(x.reshape(-1, x.shape[-1]), self.weight, torch.float32).view(
+    return self._true_on_policy_ops.lm_head(x.reshape(-1, x.shape[-1]), self.weight).view(
         *x.shape[:-1], -1)
 
 

@@ -10,7 +10,15 @@ Real two-GPU collectives: ``test_kernels_dist_gpu.py``.
 import pytest
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
-from true_on_policy.kernels.logprobs import SHARDS, finish, shard_stats, token_logprobs, token_logprobs_reference
+from true_on_policy.kernels.logprobs import (
+    SHARDS,
+    finish,
+    shard_stats,
+    temperatures,
+    token_logprobs,
+    token_logprobs_reference,
+    token_z,
+)
 from true_on_policy.kernels.matmul import matmul, tree_sum
 from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, tp_shard
 from true_on_policy.kernels.rmsnorm import rmsnorm, rmsnorm_reference
@@ -60,6 +68,26 @@ def test_rmsnorm(h, gpu_evidence):
         _same(s_n, s[:n], f"residual rows={n}")
     gpu_evidence.append({"test": f"rmsnorm_h{h}", "rel_err_vs_f64": rel, "exact_vs_torch_reference":
                          (out == ref).double().mean().item(), "batch_invariant_counts": COUNTS})
+
+
+@pytest.mark.parametrize("n_out,k,out_dtype", [(5120, 2048, torch.bfloat16), (151936, 2048, torch.float32),
+                                               (136, 2048, torch.bfloat16), (1000, 640, torch.float32)])
+def test_matmul_tma_equals_pointer_path(n_out, k, out_dtype, gpu_evidence):
+    """The TMA fast path computes the same elements as the pointer-load kernel, bit for bit, so
+    which one a shape takes (alignment, GPU generation, TP shard width) never changes a result."""
+    from true_on_policy.kernels.matmul import COLUMN, TMA, _launch, _launch_tma, _tma_ok
+
+    g = _gen(n_out + k + 1)
+    x, w = _randn(g, 4097, k), _randn(g, n_out, k, scale=0.05)
+    for rows in (1, 65, 4097):
+        xr = x[:rows].clone()
+        b = _launch(xr, w, torch.empty(rows, n_out, dtype=out_dtype, device="cuda"), None, None, rows, 1, COLUMN)
+        for role, cfg in TMA.items():
+            a = _launch_tma(xr, w, torch.empty(rows, n_out, dtype=out_dtype, device="cuda"), cfg)
+            _same(a, b, f"TMA ({role} tiles) == pointer, rows={rows}")
+        _same(matmul(xr, w, out_dtype, role="lm_head"), b, f"matmul(role=lm_head), rows={rows}")
+    assert _tma_ok(x, w, a)
+    gpu_evidence.append({"test": f"matmul_tma_eq_pointer_{n_out}x{k}_{out_dtype}", "rows": [1, 65, 4097]})
 
 
 @pytest.mark.parametrize("n_out,k", [(768, 2048), (128, 2048)])
@@ -190,6 +218,6 @@ def test_token_logprobs(gpu_evidence):
     for t in (2, 4, 8):
         v = logits.shape[1] // t
         st = torch.cat([shard_stats(logits[:, r * v:(r + 1) * v].contiguous(), 0.7, SHARDS // t) for r in range(t)], 1)
-        _same(finish(st, logits.gather(1, tok[:, None])[:, 0].float() / 0.7), lp, f"vocab TP={t}")
+        _same(finish(st, token_z(logits, tok, temperatures(0.7, len(tok), 'cuda'))), lp, f"vocab TP={t}")
     gpu_evidence.append({"test": "token_logprobs_vocab151936", "max_abs_vs_f64": err, "batch_invariant_counts": COUNTS,
                          "vocab_tp_simulated": [2, 4, 8]})

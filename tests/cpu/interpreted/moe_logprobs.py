@@ -6,7 +6,16 @@ import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
 from helpers import expect_value_errors  # noqa: E402
-from true_on_policy.kernels.logprobs import SHARDS, _tree, finish, shard_stats, token_logprobs, token_logprobs_reference
+from true_on_policy.kernels.logprobs import (
+    SHARDS,
+    _tree,
+    finish,
+    shard_stats,
+    temperatures,
+    token_logprobs,
+    token_logprobs_reference,
+    token_z,
+)
 from true_on_policy.kernels.matmul import matmul, tree_sum
 from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, route_reference, tp_shard
 
@@ -45,7 +54,7 @@ for n in (1, 2, 3):
 for t in (2, 4, 8):  # vocab parallel: each slice's shard stats, concatenated in rank order
     v = logits.shape[1] // t
     stats = torch.cat([shard_stats(logits[:, r * v:(r + 1) * v].contiguous(), 0.7, SHARDS // t) for r in range(t)], 1)
-    z = logits.gather(1, tok[:, None])[:, 0].float() / 0.7
+    z = token_z(logits, tok, temperatures(0.7, logits.shape[0], logits.device))
     assert torch.equal(finish(stats, z), lp), t
     m, s = _tree([(stats[:, i, 0], stats[:, i, 1]) for i in range(SHARDS)])  # the tree in plain torch
     torch.testing.assert_close(z - (m + torch.log(s)), lp, rtol=1e-6, atol=1e-6)
