@@ -16,9 +16,9 @@ both forms; ``_tree`` is its plain-torch statement for the tests.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
+from true_on_policy.kernels.tree_reduce import _world, gather_stacked, rank_in, sum_exact
 
 VBLOCK = 4096  # fixed chunk of the vocabulary (no autotune; independent of the row count)
 SHARDS = 8  # virtual vocabulary shards (the contract's V; TP degrees dividing it are supported)
@@ -154,7 +154,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, 
     strided), tokens [rows] (global ids), temperature a float or an fp32 tensor [rows] -> fp32
     [rows], identical for every vocab-parallel degree t.
     ``validate=False`` skips the token-range check (it syncs the device; CUDA graphs need that)."""
-    world = 1 if group is None else dist.get_world_size(group)
+    world = _world(group)
     if world not in (1, 2, 4, 8):
         raise ValueError(f"token_logprobs: vocab-parallel degree must divide {SHARDS}, got {world}")
     vocab = logits.shape[1] * world
@@ -163,11 +163,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, 
     temp = temperatures(temperature, logits.shape[0], logits.device)
     stats = shard_stats(logits, temp, SHARDS // world)
     if world > 1:
-        z_tok = token_z(logits, tokens, temp, dist.get_rank(group) * logits.shape[1])
-        gathered = [torch.empty_like(stats) for _ in range(world)]
-        dist.all_gather(gathered, stats.contiguous(), group=group)
-        stats = torch.cat(gathered, dim=1)
-        dist.all_reduce(z_tok, group=group)  # one rank holds the token: x + 0 + ... is exact
+        z_tok = sum_exact(token_z(logits, tokens, temp, rank_in(group) * logits.shape[1]), group)  # one holder
+        stats = torch.cat(gather_stacked(stats, group).unbind(0), dim=1)
     else:
         z_tok = token_z(logits, tokens, temp)
     return finish(stats, z_tok)

@@ -20,11 +20,10 @@ of its V/t segments; the roots are all-gathered in fp32 and the tree finished in
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
-from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree
+from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree, rank_in, sum_exact
 
 HBLOCK = 1024  # combine: one token per program, hidden in fixed chunks (no dependence on T)
 IBLOCK = 1024  # silu*up: one row per program, intermediate in fixed chunks
@@ -224,8 +223,7 @@ def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=Non
     if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
         rows, block_expert, pos = align(ids, 0, e_local)
         return combine(_expert_sorted(x, rows, block_expert, w13, w2, segments), pos.view(-1, top_k), w, x.dtype)
-    first = (dist.get_rank(ep_group) if ep > 1 else 0) * e_local
+    first = rank_in(ep_group) * e_local
     e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments), tp_group)
-    if ep > 1:
-        dist.all_reduce(e, group=ep_group)  # each slot is non-zero on exactly one rank: exact
+    e = sum_exact(e, ep_group)  # each slot is non-zero on exactly one EP rank
     return combine(e, torch.arange(e.shape[0], device=x.device).view(-1, top_k), w, x.dtype)

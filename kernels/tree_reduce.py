@@ -13,6 +13,9 @@ by the collective). Forms:
   * ``row_linear_reduce_scatter(x_shard, w_shard, group)`` -- sequence-parallel form: rank r
     gets row chunk r of the same result (an all-to-all of the roots, then the same tree).
 ``finish_tree`` is the shared last step (used by the MoE down projection as well).
+A ``group`` is a ``torch.distributed`` process group or an SGLang ``GroupCoordinator`` (whose
+collectives switch to its graph-capturable pynccl communicator inside CUDA-graph capture);
+either way only exact operations cross ranks: fp32 roots are gathered, never summed by NCCL.
 """
 
 from __future__ import annotations
@@ -24,8 +27,43 @@ from true_on_policy.kernels.matmul import MAX_SEGMENTS, matmul_reference, split_
 VIRTUAL = MAX_SEGMENTS  # the contract's V: supported TP degrees are the divisors of 8
 
 
+def _is_coordinator(group) -> bool:
+    return hasattr(group, "device_group") and hasattr(group, "all_gather_into_tensor")
+
+
 def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    return group.world_size if _is_coordinator(group) else dist.get_world_size(group)
+
+
+def rank_in(group) -> int:
+    """This process's rank in ``group`` (0 without a group)."""
+    if group is None:
+        return 0
+    return group.rank_in_group if _is_coordinator(group) else dist.get_rank(group)
+
+
+def gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """[world, *x.shape]: every rank's ``x`` in rank order (an exact copy, no arithmetic)."""
+    world = _world(group)
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if _is_coordinator(group):
+        group.all_gather_into_tensor(out, x.contiguous())
+    else:
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view((world,) + tuple(x.shape))
+
+
+def sum_exact(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce for tensors whose every element is non-zero on at most one rank (EP slot
+    outputs, vocab-parallel token logits): x + 0 + ... + 0 is exact in any order."""
+    if _world(group) == 1:
+        return x
+    if _is_coordinator(group):
+        return group.all_reduce(x)
+    dist.all_reduce(x, group=group)
+    return x
 
 
 def _segments_for(world: int, k_local: int) -> int:
@@ -44,12 +82,9 @@ def row_linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None) -> to
 
 def finish_tree(root: torch.Tensor, group=None) -> torch.Tensor:
     """fp32 subtree root of this rank -> fp32 root of the whole tree (identity for one rank)."""
-    world = _world(group)
-    if world == 1:
+    if _world(group) == 1:
         return root
-    gathered = [torch.empty_like(root) for _ in range(world)]
-    dist.all_gather(gathered, root.contiguous(), group=group)
-    return tree_sum(gathered)
+    return tree_sum(gather_stacked(root, group).unbind(0))
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None) -> torch.Tensor:

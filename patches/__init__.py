@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from true_on_policy.patches import (
     attention_backend,
+    communicator,
     cuda_graph,
     layernorm,
     linear,
@@ -20,7 +21,7 @@ from true_on_policy.patches import (
 from true_on_policy import env, patching
 from true_on_policy.manifest import Manifest
 
-PATCHES = (tp_worker, layernorm, linear, rope, attention_backend, sampler, qwen3_moe, cuda_graph)
+PATCHES = (tp_worker, layernorm, linear, communicator, rope, attention_backend, sampler, qwen3_moe, cuda_graph)
 
 _MANIFEST: Manifest | None = None
 

@@ -4,8 +4,10 @@
 (``QKVParallelLinear`` qkv_proj, ``RowParallelLinear`` o_proj, ``ReplicatedLinear``). Column
 layers get the batch-invariant GEMM (a fused qkv is bitwise the separate q/k/v GEMMs: an output
 column depends only on its weight row); row-parallel layers get the 8-segment tree
-(``tree_reduce.row_linear``). TP > 1 is refused by the contract until the communicator routes
-its all-reduce through the tree (the local subtree root would otherwise be summed by NCCL).
+(``tree_reduce.row_linear``). At TP > 1 a row-parallel layer computes its rank's subtree,
+all-gathers the fp32 roots over SGLang's attention-TP ``GroupCoordinator`` and finishes the
+tree in rank order, so every rank holds the full result; the output is marked
+``REDUCED`` and the communicator's all-reduce passes it through (patches/communicator.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,18 @@ from true_on_policy.manifest import PatchRecord
 from true_on_policy.patching import PatchError, replacing, wrap
 
 APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+REDUCED = "_true_on_policy_tree_reduced"  # tensor attribute: already summed over the TP group
+
+
+def _tp_group(layer):
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    group = get_attn_tp_group()
+    if group.world_size != layer.tp_size or group.rank_in_group != layer.tp_rank:
+        raise PatchError(f"{APPLY}: {type(layer).__name__} TP rank {layer.tp_rank}/{layer.tp_size} is not the "
+                         f"attention-TP group's {group.rank_in_group}/{group.world_size} (DP attention is not "
+                         "in the contract)")
+    return group
 
 
 def tpo_linear_apply(self, layer, x, bias=None):
@@ -26,15 +40,19 @@ def tpo_linear_apply(self, layer, x, bias=None):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     if isinstance(layer, RowParallelLinear):
-        if getattr(layer, "tp_size", 1) != 1:
-            raise PatchError(f"{APPLY}: row-parallel TP={layer.tp_size} is not routed yet (contract: TP=1)")
-        y = row_linear(x2, layer.weight)
-    else:
-        y = matmul(x2, layer.weight)
-    return y.view(*shape[:-1], -1)
+        if layer.tp_size == 1:
+            return row_linear(x2, layer.weight).view(*shape[:-1], -1)
+        if layer.reduce_results or getattr(layer, "use_decode_attn_tp", False):
+            raise PatchError(f"{APPLY}: a TP row-parallel layer that reduces its own output is not in the "
+                             "contract (Qwen3-MoE's o_proj leaves the reduction to the communicator)")
+        y = row_linear(x2, layer.weight, group=_tp_group(layer)).view(*shape[:-1], -1)
+        setattr(y, REDUCED, True)
+        return y
+    return matmul(x2, layer.weight).view(*shape[:-1], -1)
 
 
 def apply(policy) -> PatchRecord:
     rep = wrap(APPLY, replacing(tpo_linear_apply))
     return PatchRecord("linear", [rep.describe() + " [true_on_policy.patches.linear.tpo_linear_apply]"],
-                       ["column layers: kernels.matmul; RowParallelLinear: kernels.tree_reduce.row_linear"])
+                       ["column layers: kernels.matmul; RowParallelLinear: kernels.tree_reduce.row_linear "
+                        "(TP > 1: fp32 subtree roots all-gathered over the attention-TP group)"])

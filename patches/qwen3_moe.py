@@ -12,8 +12,11 @@
    replaced by ``kernels.moe.moe``: fp32 router softmax with lower-id ties, per-expert
    batch-invariant GEMMs, the 8-segment down-projection tree kept fp32, one fp32 slot-order
    combine. Weights are read in place (``w13_weight`` = [gate; up], ``w2_weight``), so weight
-   updates through ``load_weights`` need no refresh. EP/TP > 1 are refused by the contract
-   until the collective forms are wired in.
+   updates through ``load_weights`` need no refresh. Expert TP (``moe_tp_size`` > 1) finishes
+   the down-projection tree over SGLang's MoE-TP ``GroupCoordinator`` (fp32 roots gathered);
+   EP (``moe_ep_size`` > 1) sums the fp32 slot outputs, each non-zero on exactly one rank
+   (exact), then every rank runs the same combine. SGLang's own MoE all-reduces are in the
+   replaced method, so none of them runs.
 """
 
 from __future__ import annotations
@@ -39,17 +42,24 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
 
 
 def tpo_moe_forward_normal(self, hidden_states):
+    from sglang.srt.distributed.parallel_state import get_moe_ep_group, get_moe_tp_group
     from true_on_policy.kernels.moe import moe
 
-    if self.ep_size > 1 or self.tp_size > 1:
-        raise PatchError(f"{MOE_FORWARD}: EP={self.ep_size}, TP={self.tp_size} are not routed yet (contract: 1)")
     cfg = self.topk.topk_config
     if cfg.custom_routing_function is not None or cfg.correction_bias is not None or cfg.num_fused_shared_experts:
         raise PatchError(f"{MOE_FORWARD}: custom routing, correction bias and shared experts are not in the contract")
     num_tokens, hidden = hidden_states.shape
     x = hidden_states.view(-1, hidden).contiguous()
     ex = self.experts
-    y = moe(x, self.gate.weight, ex.w13_weight, ex.w2_weight, cfg.top_k, bool(cfg.renormalize))
+    tp_group = get_moe_tp_group() if self.tp_size > 1 else None
+    ep_group = get_moe_ep_group() if self.ep_size > 1 else None
+    for name, group, size in (("MoE-TP", tp_group, self.tp_size), ("MoE-EP", ep_group, self.ep_size)):
+        if group is not None and group.world_size != size:
+            raise PatchError(f"{MOE_FORWARD}: {name} group has {group.world_size} ranks, the block expects {size}")
+    if ex.w13_weight.shape[0] * self.ep_size != self.gate.weight.shape[0]:
+        raise PatchError(f"{MOE_FORWARD}: {ex.w13_weight.shape[0]} local experts x EP {self.ep_size} != "
+                         f"{self.gate.weight.shape[0]} router experts (redundant experts are not in the contract)")
+    y = moe(x, self.gate.weight, ex.w13_weight, ex.w2_weight, cfg.top_k, bool(cfg.renormalize), tp_group, ep_group)
     return y.view(num_tokens, hidden)
 
 
@@ -57,4 +67,5 @@ def apply(policy) -> PatchRecord:
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal))]
     return PatchRecord("qwen3_moe", [r.describe() for r in reps],
                        [f"per attention instance: {', '.join(_FLAGS)} = False; RoPE binding asserted",
-                        "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine)"])
+                        "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
+                        "MoE-TP tree roots gathered, EP slot outputs summed exactly)"])

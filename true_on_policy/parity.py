@@ -37,10 +37,13 @@ def sampled(output: dict) -> tuple[list[int], list[float]]:
     return [int(t[1]) for t in lp], [float(t[0]) for t in lp]
 
 
-def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int):
+def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int,
+            contract: str | None = None, ep_size: int = 1):
     """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs)."""
     kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
                   log_level="error")
+    if ep_size > 1:
+        kwargs["ep_size"] = ep_size
     if mode == "stock":
         import sglang
 
@@ -51,9 +54,10 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
                       disable_custom_all_reduce=tp_size > 1)  # FA3 is not in the GPU bundle
         engine, manifests = sglang.Engine(**kwargs), lambda: []
     elif mode == "tpo":
+        from true_on_policy import DEFAULT_CONTRACT
         from true_on_policy.engine import TrueOnPolicyEngine
 
-        engine = TrueOnPolicyEngine(**kwargs)
+        engine = TrueOnPolicyEngine(contract=contract or DEFAULT_CONTRACT, **kwargs)
         manifests = engine.manifests
     else:
         raise ValueError(f"unknown mode {mode!r}; use stock or tpo")
@@ -141,13 +145,13 @@ def run(args) -> dict:
     prompts = make_prompts(args.prompts, min(cfg["vocab_size"], 256), args.seed)
     t0 = time.time()
     outs, manifests, engine_kwargs = rollout(args.mode, model_path, prompts, args.new_tokens,
-                                             args.temperature, args.seed, args.tp_size)
+                                             args.temperature, args.seed, args.tp_size, args.contract, args.ep_size)
     t_rollout = time.time() - t0
     seqs = [p + toks for p, (toks, _) in zip(prompts, outs, strict=True)]
     trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature,
                                             args.trainer)
     stats = compare([lps for _, lps in outs], trainer)
-    contract = get_contract(DEFAULT_CONTRACT)
+    contract = get_contract(args.contract or DEFAULT_CONTRACT)
     return {
         "schema": SCHEMA,
         "mode": args.mode,
@@ -159,7 +163,7 @@ def run(args) -> dict:
         "config": {"model_path": model_path, "architectures": read_architectures(model_path),
                    "geometry": None if args.model_path else args.geometry, "prompts": args.prompts,
                    "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed,
-                   "tp_size": args.tp_size, "engine_kwargs": engine_kwargs, **trainer_info},
+                   "tp_size": args.tp_size, "ep_size": args.ep_size, "engine_kwargs": engine_kwargs, **trainer_info},
         **stats,
         "rollout_seconds": round(t_rollout, 2),
         "manifests": manifests,
@@ -176,6 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--contract", help="true-on-policy contract for --mode tpo (default: the main contract)")
     p.add_argument("--trainer", choices=("hf", "patched"), default="hf",
                    help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
     p.add_argument("--out", required=True, help="evidence JSON path")

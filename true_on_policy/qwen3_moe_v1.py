@@ -100,10 +100,12 @@ ARGS = (
           "drop the flag"),
     _only("cuda_graph_backend_decode", "--cuda-graph-backend-decode", (None, "full", "disabled"),
           "breakable/piecewise decode graphs are not validated", "full (default) or disabled"),
-    _only("tp_size", "--tp-size", (1,), "the rollout routes the TP tree only at TP=1 so far (kernels support "
-          "TP in {1,2,4,8}; the communicator patch is not in yet)", "TP=1 (one engine per GPU)"),
+    _only("tp_size", "--tp-size", (1,), "bitwise parity is measured at TP=1 only (TP/EP routing is in the "
+          "preview contract)", "TP=1 (one engine per GPU), or --true-on-policy-contract "
+          "qwen3_moe_true_on_policy_tp_preview_v1 for TP 2/4/8"),
     _only("pp_size", "--pp-size", (1,), "pipeline parallel is not routed yet", "PP=1"),
-    _only("ep_size", "--ep-size", (1,), "expert parallel is not routed yet (kernels.moe has the EP form)", "EP=1"),
+    _only("ep_size", "--ep-size", (1,), "bitwise parity is measured at EP=1 only (EP routing is in the preview "
+          "contract)", "EP=1, or --true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1 for EP 2/4/8"),
     _only("dp_size", "--dp-size", (1,), "data-parallel attention is not parity-gated",
           "run several engines instead of --dp-size"),
     _only("enable_dp_attention", "--enable-dp-attention", _OFF, "DP attention is not parity-gated",
@@ -184,8 +186,8 @@ CONTRACT = register(Contract(
         rollout_tp=(1,),
         rollout_pp=(1,),
         rollout_ep=(1,),
-        rollout_rules=("one GPU per engine until the communicator/EP/PP routing lands (the kernels "
-                       "already have the TP, EP and vocab-parallel forms)", "dp_size == 1 (no DP attention)"),
+        rollout_rules=("one GPU per engine: TP/EP routing is in qwen3_moe_true_on_policy_tp_preview_v1 until "
+                       "its bitwise parity is measured; PP is not routed", "dp_size == 1 (no DP attention)"),
         trainer=(("tp", "1, 2, 4, 8 (any degree: the TP tree is degree-invariant)"),
                  ("pp", "any"), ("ep", "any (fixed-order combine after gathering the k outputs)"),
                  ("expert_tp", "any dividing moe_intermediate_size / 8"),

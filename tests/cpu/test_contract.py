@@ -10,7 +10,7 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "df2953b4ccf5d4c2fa1ad5c27cd0f416bf242d4395f9fd8f2c3f7db41d3af2bb"
+GOLDEN_FINGERPRINT = "db47dac214365e859766799b2c9e497eab302e39f35211f4aa0efe6f38a268cb"
 
 
 def test_round_trip_is_identity():
@@ -69,7 +69,7 @@ def test_contract_states_what_the_issue_requires():
     c = get_contract(NAME)
     assert c.architectures == ("Qwen3MoeForCausalLM",)
     assert dict(c.versions) == {"sglang": "0.5.17", "torch": "2.11.0"}
-    assert c.layouts.rollout_tp == (1,)  # TP>1 rollouts wait for the communicator routing (kernels have it)
+    assert c.layouts.rollout_tp == (1,)  # TP/EP > 1: the preview contract until parity is measured there
     assert c.arg("enable_dp_attention").allowed == (False,)
     assert c.required_env()["NCCL_NVLS_ENABLE"] == "0"
     ops = {n.op for n in c.numerics}
@@ -86,3 +86,14 @@ def test_cli_show_prints_contract_and_fingerprint():
     assert Contract.from_dict(doc["contract"]).fingerprint == GOLDEN_FINGERPRINT
     bad = run_py("import sys; from true_on_policy.__main__ import main; sys.exit(main(['contract','show','nope']))")
     assert bad.returncode == 2 and NAME in bad.stderr
+
+
+def test_tp_preview_contract_widens_only_tp_and_ep():
+    v1 = get_contract("qwen3_moe_true_on_policy_v1")
+    pv = get_contract("qwen3_moe_true_on_policy_tp_preview_v1")
+    assert pv.fingerprint != v1.fingerprint
+    assert pv.arg("tp_size").allowed == pv.arg("ep_size").allowed == (1, 2, 4, 8)
+    assert pv.layouts.rollout_tp == pv.layouts.rollout_ep == (1, 2, 4, 8) and pv.layouts.rollout_pp == (1,)
+    same = [r.dest for r in v1.args if r.dest not in ("tp_size", "ep_size")]
+    assert all(pv.arg(d) == v1.arg(d) for d in same) and pv.env == v1.env and pv.numerics == v1.numerics
+    assert "tp_preview" in v1.arg("tp_size").alternative

@@ -7,6 +7,9 @@ asserted bitwise. The GPU tier checks the rounding itself.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,3 +152,15 @@ def test_interpreted_kernels(script):
     """Batch/column/TP/EP/prefill-decode invariance of the Triton kernels, bitwise, interpreted."""
     r = run_py((ROOT / "tests" / "cpu" / "interpreted" / script).read_text(), {"TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and "interpreted-ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_collective_forms_two_gloo_ranks_bitwise():
+    """The kernels' collective forms on two real processes (gloo, interpreted kernels) equal
+    one process bitwise: row-parallel tree (all-gather form), MoE TP and EP,
+    vocab-parallel log-probs. The NCCL version is tests/gpu/test_kernels_dist_gpu.py."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests" / "cpu" / "interpreted" / "collectives_gloo.py")],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("interpreted-ok") == 2, (r.stdout[-2000:], r.stderr[-3000:])

@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "df2953b4ccf5d4c2fa1ad5c27cd0f416bf242d4395f9fd8f2c3f7db41d3af2bb"
+FP = "db47dac214365e859766799b2c9e497eab302e39f35211f4aa0efe6f38a268cb"
 
 
 def _launch(*args, env_extra=None):
@@ -40,7 +40,7 @@ def test_dry_run_rejects_a_bad_plan_listing_everything(tiny_cache):
 
 def test_unknown_contract(tiny_cache):
     r = _launch("--true-on-policy", "--true-on-policy-contract", "nope_v9", "--dry-run")
-    assert r.returncode == 2 and "known contracts: qwen3_moe_true_on_policy_v1" in r.stderr
+    assert r.returncode == 2 and "known contracts: qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1" in r.stderr
 
 
 def test_dry_run_needs_true_on_policy():

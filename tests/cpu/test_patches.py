@@ -40,9 +40,9 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 13, lines
-assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'rope', 'attention_backend', 'sampler',
-                                        'qwen3_moe', 'cuda_graph']
+assert len(lines) == len(patching.applied()) == 17, lines
+assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'communicator', 'rope', 'attention_backend',
+                                        'sampler', 'qwen3_moe', 'cuda_graph']
 assert all(': ' in l and ' -> ' in l for l in lines)
 assert patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler')) is m
 assert q.Qwen3MoeAttention.__init__ is not orig[0]
@@ -94,3 +94,34 @@ def test_attention_patch_refuses_an_instance_without_the_flag_or_our_rope():
     ok.rotary_emb = Rope()
     qwen3_moe._attention_built(None, ok)
     assert ok.compatible_with_fused_kv_buffer is False and ok.use_fused_qk_norm_rope is False
+
+
+def test_communicator_all_reduce_passes_only_tree_reduced_tensors():
+    """Installed where the communicator looks the names up: the attention-TP all-reduce returns
+    a tensor marked by the row-parallel linear unchanged and refuses any other; the fused,
+    quantised and scattered-residual all-reduces refuse whatever reaches them."""
+    code = """
+import torch
+import sglang.srt.layers.communicator as c
+from true_on_policy import patches
+from true_on_policy.contract import get_contract
+from true_on_policy.patches.linear import REDUCED
+from true_on_policy.patching import PatchError
+from true_on_policy.policy import RuntimePolicy
+patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+y = torch.ones(2, 3)
+setattr(y, REDUCED, True)
+assert c.attention_tensor_model_parallel_all_reduce(y) is y
+for f in (c.attention_tensor_model_parallel_all_reduce, c.attention_tensor_model_parallel_quant_all_reduce,
+          c.moe_tensor_model_parallel_all_reduce, c.tensor_model_parallel_all_reduce):
+    try:
+        f(torch.ones(2, 3))
+    except PatchError as e:
+        assert 'not in the contract' in str(e), e
+    else:
+        raise AssertionError(f'{f} accepted an unreduced tensor')
+patches.undo_all()
+print('ok')
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

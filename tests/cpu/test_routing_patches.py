@@ -58,6 +58,14 @@ row = RowParallelLinear.__new__(RowParallelLinear)
 object.__setattr__(row, '__dict__', {'weight': w, 'tp_size': 1})
 torch.testing.assert_close(UnquantizedLinearMethod.apply(None, row, xa).float(), row_linear_reference(xa, w).float(),
                            rtol=2e-2, atol=2e-2)
+row2 = RowParallelLinear.__new__(RowParallelLinear)  # TP=2 layer that would all-reduce its own output
+object.__setattr__(row2, '__dict__', {'weight': w, 'tp_size': 2, 'tp_rank': 0, 'reduce_results': True})
+try:
+    UnquantizedLinearMethod.apply(None, row2, xa)
+except PatchError as e:
+    assert 'reduces its own output' in str(e), e
+else:
+    raise AssertionError('TP row layer with reduce_results accepted')
 try:
     UnquantizedLinearMethod.apply(None, col, xa, bias=torch.zeros(32))
 except PatchError:

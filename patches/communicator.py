@@ -1,0 +1,49 @@
+"""Communicator seam (sglang/srt/layers/communicator.py): the attention-TP all-reduce.
+
+At TP > 1 ``LayerCommunicator.prepare_mlp`` all-reduces the attention output
+(``attention_tensor_model_parallel_all_reduce``, an NCCL sum in NCCL's order) before the
+residual add and norm. Under the contract the o_proj output is already the tree-reduced
+result on every rank (patches/linear.py marks it), so that all-reduce must pass it through;
+any other tensor reaching it would be an NCCL-ordered sum, so it raises. The fused
+all-reduce + norm path (``moe_tensor_model_parallel_all_reduce`` in ``prepare_attn``) and the
+quantised all-reduce and the scattered-residual all-reduce are refused by the contract's
+arguments; here they raise if reached.
+The MoE all-reduces live in ``forward_normal``, which patches/qwen3_moe.py replaces.
+"""
+
+from __future__ import annotations
+
+from true_on_policy.manifest import PatchRecord
+from true_on_policy.patching import PatchError, replacing, wrap
+
+_MOD = "sglang.srt.layers.communicator."
+ATTN_ALL_REDUCE = _MOD + "attention_tensor_model_parallel_all_reduce"
+QUANT_ALL_REDUCE = _MOD + "attention_tensor_model_parallel_quant_all_reduce"
+MOE_ALL_REDUCE = _MOD + "moe_tensor_model_parallel_all_reduce"
+TP_ALL_REDUCE = _MOD + "tensor_model_parallel_all_reduce"  # scattered-residual path (MLA input scattering)
+
+
+def tpo_attn_all_reduce(input_):
+    from true_on_policy.patches.linear import REDUCED
+
+    if getattr(input_, REDUCED, False):
+        return input_
+    raise PatchError(f"{ATTN_ALL_REDUCE}: a tensor that the TP tree did not reduce reached the attention all-reduce "
+                     "(an NCCL-ordered sum is not in the contract)")
+
+
+def _refuse(name):
+    def refused(*args, **kwargs):
+        raise PatchError(f"{name}: reached, but this path is not in the contract (fused all-reduce + norm, "
+                         "quantised all-reduce or scattered residual)")
+    return refused
+
+
+def apply(policy) -> PatchRecord:
+    reps = [wrap(ATTN_ALL_REDUCE, replacing(tpo_attn_all_reduce)),
+            wrap(QUANT_ALL_REDUCE, replacing(_refuse(QUANT_ALL_REDUCE))),
+            wrap(MOE_ALL_REDUCE, replacing(_refuse(MOE_ALL_REDUCE))),
+            wrap(TP_ALL_REDUCE, replacing(_refuse(TP_ALL_REDUCE)))]
+    return PatchRecord("communicator", [r.describe() for r in reps],
+                       ["attention-TP all-reduce: pass-through of the tree-reduced o_proj output, else raise",
+                        "quantised, fused (MoE-TP) and scattered-residual all-reduces in the communicator: raise"])

@@ -1,0 +1,40 @@
+"""Interpreted, two CPU processes over gloo: the collective forms (row-parallel tree in the
+all-gather form, MoE expert-TP and EP, vocab-parallel log-probs) are
+bitwise equal to one process. Run: python -m torch.distributed.run --nproc_per_node 2 THIS."""
+import torch
+import torch.distributed as dist
+from true_on_policy.kernels.logprobs import token_logprobs
+from true_on_policy.kernels.moe import moe, tp_shard
+from true_on_policy.kernels.tree_reduce import gather_stacked, rank_in, row_linear
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+G = dist.group.WORLD
+assert rank_in(G) == rank
+assert torch.equal(gather_stacked(torch.full((2, 3), float(rank)), G)[:, 0, 0], torch.arange(world).float())
+g = torch.Generator().manual_seed(7)
+x = torch.randn(6, 256, generator=g).bfloat16()
+w = (torch.randn(40, 256, generator=g) * 0.05).bfloat16()
+full = row_linear(x, w)
+k = 256 // world
+xs, ws = x[:, rank * k:(rank + 1) * k].contiguous(), w[:, rank * k:(rank + 1) * k].contiguous()
+assert torch.equal(row_linear(xs, ws, group=G), full)
+# the reduce-scatter form needs all_to_all, which gloo lacks (checked on NCCL in the GPU tier)
+h, e, kk, inter = 64, 8, 2, 128
+xt = torch.randn(5, h, generator=g).bfloat16()
+rw = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
+w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.05).bfloat16()
+w2 = (torch.randn(e, h, inter, generator=g) * 0.05).bfloat16()
+y = moe(xt, rw, w13, w2, kk)
+assert torch.equal(moe(xt, rw, *tp_shard(w13, w2, rank, world), kk, tp_group=G), y)
+n = e // world
+assert torch.equal(moe(xt, rw, w13[rank * n:(rank + 1) * n].contiguous(), w2[rank * n:(rank + 1) * n].contiguous(),
+                       kk, ep_group=G), y)
+logits = (torch.randn(4, 1024, generator=g) * 3).bfloat16()
+tok = torch.randint(0, 1024, (4,), generator=g)
+v = 1024 // world
+temps = torch.tensor([1.0, 0.7, 1.3, 0.5])
+assert torch.equal(token_logprobs(logits[:, rank * v:(rank + 1) * v].contiguous(), tok, temps, group=G),
+                   token_logprobs(logits, tok, temps))
+dist.destroy_process_group()
+print(f"interpreted-ok rank {rank}")
