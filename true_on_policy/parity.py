@@ -38,12 +38,14 @@ def sampled(output: dict) -> tuple[list[int], list[float]]:
 
 
 def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int,
-            contract: str | None = None, ep_size: int = 1):
+            contract: str | None = None, ep_size: int = 1, cuda_graph_max_bs: int | None = None):
     """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs)."""
     kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
                   log_level="error")
     if ep_size > 1:
         kwargs["ep_size"] = ep_size
+    if cuda_graph_max_bs:
+        kwargs["cuda_graph_max_bs"] = cuda_graph_max_bs
     if mode == "stock":
         import sglang
 
@@ -145,7 +147,8 @@ def run(args) -> dict:
     prompts = make_prompts(args.prompts, min(cfg["vocab_size"], 256), args.seed)
     t0 = time.time()
     outs, manifests, engine_kwargs = rollout(args.mode, model_path, prompts, args.new_tokens,
-                                             args.temperature, args.seed, args.tp_size, args.contract, args.ep_size)
+                                             args.temperature, args.seed, args.tp_size, args.contract, args.ep_size,
+                                             args.cuda_graph_max_bs)
     t_rollout = time.time() - t0
     seqs = [p + toks for p, (toks, _) in zip(prompts, outs, strict=True)]
     trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature,
@@ -181,6 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--cuda-graph-max-bs", type=int, help="largest captured decode batch (SGLang's default if unset)")
     p.add_argument("--contract", help="true-on-policy contract for --mode tpo (default: the main contract)")
     p.add_argument("--trainer", choices=("hf", "patched"), default="hf",
                    help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
