@@ -45,7 +45,7 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
     if ep_size > 1:
         kwargs["ep_size"] = ep_size
     if cuda_graph_max_bs:
-        kwargs["cuda_graph_max_bs"] = cuda_graph_max_bs
+        kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs
     if mode == "stock":
         import sglang
 
