@@ -20,7 +20,6 @@ _MOD = "sglang.srt.layers.communicator."
 ATTN_ALL_REDUCE = _MOD + "attention_tensor_model_parallel_all_reduce"
 QUANT_ALL_REDUCE = _MOD + "attention_tensor_model_parallel_quant_all_reduce"
 MOE_ALL_REDUCE = _MOD + "moe_tensor_model_parallel_all_reduce"
-TP_ALL_REDUCE = _MOD + "tensor_model_parallel_all_reduce"  # scattered-residual path (MLA input scattering)
 
 
 def tpo_attn_all_reduce(input_):
@@ -42,8 +41,7 @@ def _refuse(name):
 def apply(policy) -> PatchRecord:
     reps = [wrap(ATTN_ALL_REDUCE, replacing(tpo_attn_all_reduce)),
             wrap(QUANT_ALL_REDUCE, replacing(_refuse(QUANT_ALL_REDUCE))),
-            wrap(MOE_ALL_REDUCE, replacing(_refuse(MOE_ALL_REDUCE))),
-            wrap(TP_ALL_REDUCE, replacing(_refuse(TP_ALL_REDUCE)))]
+            wrap(MOE_ALL_REDUCE, replacing(_refuse(MOE_ALL_REDUCE)))]
     return PatchRecord("communicator", [r.describe() for r in reps],
                        ["attention-TP all-reduce: pass-through of the tree-reduced o_proj output, else raise",
                         "quantised, fused (MoE-TP) and scattered-residual all-reduces in the communicator: raise"])
