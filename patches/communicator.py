@@ -6,9 +6,13 @@ residual add and norm. Under the contract the o_proj output is already the tree-
 result on every rank (patches/linear.py marks it), so that all-reduce must pass it through;
 any other tensor reaching it would be an NCCL-ordered sum, so it raises. The fused
 all-reduce + norm path (``moe_tensor_model_parallel_all_reduce`` in ``prepare_attn``) and the
-quantised all-reduce and the scattered-residual all-reduce are refused by the contract's
-arguments; here they raise if reached.
+quantised all-reduce are refused by the contract's arguments; here they raise if reached.
 The MoE all-reduces live in ``forward_normal``, which patches/qwen3_moe.py replaces.
+A wrap replaces a function wherever it is bound in the process. In sglang 0.5.17 the wrapped
+functions are bound only by the communicator, ``communication_op`` and the qwen2/qwen3/hunyuan
+MoE models, and the contract admits Qwen3-MoE only. ``tensor_model_parallel_all_reduce`` is
+left alone: the vocab-parallel embedding needs it, and its sum is exact there (each element is
+non-zero on one rank only).
 """
 
 from __future__ import annotations

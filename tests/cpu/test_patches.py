@@ -40,7 +40,7 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 17, lines
+assert len(lines) == len(patching.applied()) == 16, lines
 assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'communicator', 'rope', 'attention_backend',
                                         'sampler', 'qwen3_moe', 'cuda_graph']
 assert all(': ' in l and ' -> ' in l for l in lines)
@@ -98,11 +98,15 @@ def test_attention_patch_refuses_an_instance_without_the_flag_or_our_rope():
 
 def test_communicator_all_reduce_passes_only_tree_reduced_tensors():
     """Installed where the communicator looks the names up: the attention-TP all-reduce returns
-    a tensor marked by the row-parallel linear unchanged and refuses any other; the fused,
-    quantised and scattered-residual all-reduces refuse whatever reaches them."""
+    a tensor marked by the row-parallel linear unchanged and refuses any other; the fused and
+    quantised all-reduces refuse whatever reaches them. ``tensor_model_parallel_all_reduce``
+    stays SGLang's: a wrap replaces a function wherever it is bound, and the vocab-parallel
+    embedding's all-reduce (exact: one non-zero per element) goes through it."""
     code = """
 import torch
 import sglang.srt.layers.communicator as c
+import sglang.srt.layers.vocab_parallel_embedding as vpe
+stock_tp_all_reduce = vpe.tensor_model_parallel_all_reduce
 from true_on_policy import patches
 from true_on_policy.contract import get_contract
 from true_on_policy.patches.linear import REDUCED
@@ -112,8 +116,9 @@ patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'sc
 y = torch.ones(2, 3)
 setattr(y, REDUCED, True)
 assert c.attention_tensor_model_parallel_all_reduce(y) is y
+assert vpe.tensor_model_parallel_all_reduce is stock_tp_all_reduce is c.tensor_model_parallel_all_reduce
 for f in (c.attention_tensor_model_parallel_all_reduce, c.attention_tensor_model_parallel_quant_all_reduce,
-          c.moe_tensor_model_parallel_all_reduce, c.tensor_model_parallel_all_reduce):
+          c.moe_tensor_model_parallel_all_reduce):
     try:
         f(torch.ones(2, 3))
     except PatchError as e:
