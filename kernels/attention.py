@@ -131,7 +131,8 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     tiles = triton.cdiv(max_q_len, BLOCK_M // g)
     if b and tiles and tq:
         _attention_kernel[(b, tiles, hkv)](
-            q, k_buf, v_buf, out, kv_index, kv_rows if kv_rows is not None else q_len, q_start.to(torch.int32), q_len.to(torch.int32), q_pos0.to(torch.int32),
+            q, k_buf, v_buf, out, kv_index, kv_rows if kv_rows is not None else q_len,  # (unused if None)
+            q_start.to(torch.int32), q_len.to(torch.int32), q_pos0.to(torch.int32),
             float(scale if scale is not None else 1.0 / math.sqrt(d)),
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
             out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,

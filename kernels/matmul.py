@@ -31,9 +31,6 @@ MAX_SEGMENTS = 8
 # TRITON_INTERPRET=1 (CPU tier only) dots therefore run in fp64 (exact products of bf16) and
 # are rounded to fp32, so the CPU tier can check the kernels' tiling and masking bitwise.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# TRUE_ON_POLICY_GEMM_TMA=0 forces the pointer-load kernel for plain GEMMs (same bits; a switch
-# for debugging and for the GPU tier's TMA == pointer check).
-USE_TMA = os.environ.get("TRUE_ON_POLICY_GEMM_TMA", "1") != "0"
 
 
 def tree_sum(parts):
@@ -263,7 +260,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
         raise ValueError(f"matmul: role must be one of {sorted(TMA)}, got {role!r}")
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     cfg = _tiles(segments, tree)
-    if cfg is COLUMN and USE_TMA and _tma_ok(x, w, out):
+    if cfg is COLUMN and _tma_ok(x, w, out):
         return _launch_tma(x, w, out, TMA[role])
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
 
