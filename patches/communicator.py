@@ -26,26 +26,40 @@ QUANT_ALL_REDUCE = _MOD + "attention_tensor_model_parallel_quant_all_reduce"
 MOE_ALL_REDUCE = _MOD + "moe_tensor_model_parallel_all_reduce"
 
 
+def _one_rank(group_getter: str) -> bool:
+    """True when the named SGLang group has a single rank: the stock all-reduce is then the
+    identity, and so is ours (TP=1 keeps stock behaviour exactly)."""
+    from sglang.srt.distributed import parallel_state
+
+    try:
+        return getattr(parallel_state, group_getter)().world_size == 1
+    except AssertionError:  # groups not initialised (outside an engine): nothing to reduce over
+        return False
+
+
 def tpo_attn_all_reduce(input_):
     from true_on_policy.patches.linear import REDUCED
 
-    if getattr(input_, REDUCED, False):
+    if getattr(input_, REDUCED, False) or _one_rank("get_attn_tp_group"):
         return input_
     raise PatchError(f"{ATTN_ALL_REDUCE}: a tensor that the TP tree did not reduce reached the attention all-reduce "
                      "(an NCCL-ordered sum is not in the contract)")
 
 
-def _refuse(name):
-    def refused(*args, **kwargs):
+def _refuse(name, group_getter):
+    def refused(input_, *args, **kwargs):
+        if _one_rank(group_getter):
+            return input_
         raise PatchError(f"{name}: reached, but this path is not in the contract (fused all-reduce + norm, "
-                         "quantised all-reduce or scattered residual)")
+                         "quantised all-reduce)")
     return refused
 
 
 def apply(policy) -> PatchRecord:
     reps = [wrap(ATTN_ALL_REDUCE, replacing(tpo_attn_all_reduce)),
-            wrap(QUANT_ALL_REDUCE, replacing(_refuse(QUANT_ALL_REDUCE))),
-            wrap(MOE_ALL_REDUCE, replacing(_refuse(MOE_ALL_REDUCE)))]
+            wrap(QUANT_ALL_REDUCE, replacing(_refuse(QUANT_ALL_REDUCE, "get_attn_tp_group"))),
+            wrap(MOE_ALL_REDUCE, replacing(_refuse(MOE_ALL_REDUCE, "get_moe_tp_group")))]
     return PatchRecord("communicator", [r.describe() for r in reps],
                        ["attention-TP all-reduce: pass-through of the tree-reduced o_proj output, else raise",
-                        "quantised, fused (MoE-TP) and scattered-residual all-reduces in the communicator: raise"])
+                        "quantised and fused (MoE-TP) all-reduces: raise; all three are the identity for one rank, "
+                        "as in SGLang"])

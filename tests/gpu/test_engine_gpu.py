@@ -63,3 +63,22 @@ def test_parity_harness_reports(tiny_cache, gpu_evidence, tmp_path):
     assert math.isfinite(ev["max_abs_diff"]) and 0.0 <= ev["exact_fraction"] <= 1.0
     gpu_evidence.append({"test": "parity_harness_tpo_small", **{k: ev[k] for k in (
         "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "fingerprint")}})
+
+
+def test_grpo_group_samples_differ_and_repeat(tiny_cache, gpu_evidence):
+    """n > 1 (a GRPO group): deterministic mode alone would give every sample seed 42 and the
+    same tokens; the seeds patch gives sample j derive_seed(sampling_seed, j), so the group's
+    samples differ, and the same request again reproduces the group bitwise."""
+    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.parity import make_prompts, sampled
+
+    prompt = make_prompts(1, 256, seed=5)[0]
+    params = {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 7}
+    with TrueOnPolicyEngine(mem_fraction_static=0.3) as eng:
+        first = [sampled(o) for o in eng.generate(input_ids=[prompt], sampling_params=params)]
+        second = [sampled(o) for o in eng.generate(input_ids=[prompt], sampling_params=params)]
+    tokens = [tuple(t) for t, _ in first]
+    assert len(first) == 4 and len(set(tokens)) > 1, tokens
+    assert first == second
+    gpu_evidence.append({"test": "grpo_group_seeds", "samples": 4, "distinct_token_sequences": len(set(tokens)),
+                         "repeat_bitwise": True})
