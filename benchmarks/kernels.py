@@ -120,6 +120,13 @@ def sweep(tokens):
     from true_on_policy.kernels.matmul import _launch, _launch_tma
     print("\n| GEMM | tokens | config | ms | cuBLAS ms | speed | bits == first |\n|---|---:|---|---:|---:|---:|---|")
     rows = []
+
+    def record(op, t, tag, cfg, ms, base, same):
+        tag += "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
+            f" w{cfg['num_warps']} s{cfg['num_stages']}"
+        print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} | {same} |")
+        rows.append({"op": op, "tokens": t, "config": tag, "ms": ms, "cublas_ms": base, "same_bits": same})
+
     for t in tokens:
         for op, n, k, seg in (("qkv", 5120, H, 1), ("lm_head", VOCAB, H, 1), ("o_proj split x8", H, HQ * D, 8)):
             x, w = _r(t, k), _r(n, k, scale=0.02)
@@ -130,11 +137,7 @@ def sweep(tokens):
                                   device="cuda")
                 ms = _bench(lambda x=x, w=w, out=out, cfg=cfg, t=t, seg=seg: _launch(x, w, out, None, None, t, seg, cfg, seg > 1))
                 first = out.clone() if first is None else first
-                same = torch.equal(out, first)
-                tag = "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
-                    f" w{cfg['num_warps']} s{cfg['num_stages']}"
-                print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} | {same} |")
-                rows.append({"op": op, "tokens": t, "config": tag, "ms": ms, "cublas_ms": base, "same_bits": same})
+                record(op, t, "", cfg, ms, base, torch.equal(out, first))
             for cfg in TMA_SWEEP if seg == 1 else ():
                 out = torch.empty(t, n, dtype=x.dtype, device="cuda")
                 try:
@@ -142,11 +145,7 @@ def sweep(tokens):
                 except Exception as e:  # noqa: BLE001  (a candidate that does not compile is reported)
                     print(f"| {op} | {t} | TMA {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |")
                     continue
-                same = torch.equal(out, first)
-                tag = "TMA " + "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
-                    f" w{cfg['num_warps']} s{cfg['num_stages']}"
-                print(f"| {op} | {t} | {tag} | {ms:.4f} | {base:.4f} | {base / ms:.2f} | {same} |")
-                rows.append({"op": op, "tokens": t, "config": tag, "ms": ms, "cublas_ms": base, "same_bits": same})
+                record(op, t, "TMA ", cfg, ms, base, torch.equal(out, first))
             del first
             torch.cuda.empty_cache()
     return rows
