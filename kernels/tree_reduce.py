@@ -105,5 +105,6 @@ def row_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group, out_dtype
         return root.to(out_dtype or x.dtype)
     send = list(root.chunk(world, dim=0))
     recv = [torch.empty_like(send[0]) for _ in range(world)]
-    dist.all_to_all([r for r in recv], [s.contiguous() for s in send], group=group)
+    torch_group = group.device_group if _is_coordinator(group) else group  # (an exact exchange either way)
+    dist.all_to_all(recv, [s.contiguous() for s in send], group=torch_group)
     return tree_sum(recv).to(out_dtype or x.dtype)
