@@ -2,22 +2,31 @@
 prefill over a cached prefix, and decode.
 
 Math, per query (sequence b, absolute position p, query head h, KV head h // G):
-  for key blocks c = 0, 1, ... of BLOCK_N keys at absolute positions [c*BLOCK_N, (c+1)*BLOCK_N):
+  the keys 0..p are cut into segments of SEG keys at absolute positions [j*SEG, (j+1)*SEG);
+  each segment j runs an online softmax from a fresh state over its blocks of BLOCK_N keys:
       s  = fp32(q . k) * scale, keys after p masked to -inf
       m' = max(m, max(s));  a = exp(m - m');  P = exp(s - m')
       l  = l * a + sum(P);  acc = acc * a + bf16(P) @ v   (fp32 accumulate)
-  out = bf16(acc / l)
+  and the segment states (m_j, l_j, acc_j) are merged in segment order j = 0, 1, ...:
+      M' = max(M, m_j);  x = exp(M - M');  y = exp(m_j - M')
+      L  = fma(l_j, y, L * x);  ACC = fma(acc_j, y, ACC * x)
+  out = bf16(ACC / L)
 K/V of sequence b, position j live at row ``kv_index[b, j]`` of ``k_buf``/``v_buf`` [S, Hkv, D]:
 SGLang's token-indexed KV pool (``req_to_token`` rows) and a trainer's contiguous tensors
 (kv_index = b*L + j) go through the same code.
-Invariance: the blocks sit at fixed absolute positions from 0 and every row carries its own m,
-l and acc; a row never sees how many other queries share its tile. Blocks wholly after p are an
-exact no-op for that row (a = 1, P = 0), so a query computed in a full prefill, after a cached
-prefix, or as a single decode step gets the same bits.
+Invariance: segments and blocks sit at fixed absolute positions from 0 and every row carries its
+own state; a row never sees how many other queries share its tile. Keys after p are an exact
+no-op for that row (a = 1, P = 0; a wholly masked segment merges as x = 1, y = 0), so a query
+computed in a full prefill, after a cached prefix, or as a single decode step gets the same bits.
+Split-KV: when a launch has too few (sequence, tile, KV head) programs to fill the GPU (decode of
+a few sequences), each segment runs in its own program, writes its fp32 state, and a second
+kernel merges the states in the same order with the same ``_merge`` -- the same operations on
+the same values, so splitting or not is a speed choice that changes no bit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,6 +36,7 @@ from true_on_policy.kernels.matmul import INTERPRETED
 
 BLOCK_M = 64  # rows of a tile: (query token, query head of the group) pairs; fixed
 BLOCK_N = 64  # keys per block, at absolute positions; fixed (the contract's 64-key blocks)
+SEG = 256  # keys per segment (4 blocks), at absolute positions; fixed (the contract's 256-key segments)
 NUM_WARPS = 4
 
 
@@ -52,70 +62,155 @@ def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, O, KV_INDEX, KV_ROWS, Q_START, Q_LEN, Q_POS0, scale,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      stride_ib, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_ROWS: tl.constexpr, DOT_F32: tl.constexpr):
-    b = tl.program_id(0)
-    tile = tl.program_id(1)
-    kvh = tl.program_id(2)
+def _merge(m, l, acc, m_s, l_s, acc_s):
+    """Fold one segment's state into the running one. Explicit fma: the same roundings in the
+    attention kernel and in the split-KV merge kernel, whatever the compiler would contract."""
+    m_new = tl.maximum(m, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay (-inf, 0, 0)
+    x = tl.exp(m - m_use)
+    y = tl.exp(m_s - m_use)
+    return m_new, tl.fma(l_s, y, l * x), tl.fma(acc_s, y[:, None], acc * x[:, None])
+
+
+@triton.jit
+def _rows(b, tile, kvh, Q_START, Q_LEN, Q_POS0, SEQ_LENS, G: tl.constexpr, BLOCK_M: tl.constexpr,
+          DECODE: tl.constexpr):
+    """The tile's rows: query token, head, position, validity, and the tile's largest position."""
     TOK: tl.constexpr = BLOCK_M // G
-    n_q = tl.load(Q_LEN + b)
-    if tile * TOK >= n_q:
-        return
-    q0 = tl.load(Q_START + b)
-    p0 = tl.load(Q_POS0 + b)
+    if DECODE:  # one query per sequence, at position seq_lens[b] - 1, in row b of q
+        n_q = 1
+        q0 = b
+        p0 = tl.load(SEQ_LENS + b) - 1
+    else:
+        n_q = tl.load(Q_LEN + b)
+        q0 = tl.load(Q_START + b)
+        p0 = tl.load(Q_POS0 + b)
     r = tl.arange(0, BLOCK_M)
     tok = tile * TOK + r // G
     row_ok = tok < n_q
     head = kvh * G + r % G
     pos = tl.where(row_ok, p0 + tok, p0)  # invalid rows see key 0 only (never stored)
+    last = p0 + tl.minimum(n_q, (tile + 1) * TOK) - 1
+    return n_q, (q0 + tok).to(tl.int64), head, row_ok, pos, last
+
+
+@triton.jit
+def _attention_kernel(Q, K, V, O, PART, PART_ML, KV_INDEX, KV_ROWS, Q_START, Q_LEN, Q_POS0, SEQ_LENS, scale,
+                      n_split, nseg_max, seg_rows, n_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                      stride_vh, stride_ot, stride_oh, stride_ib,
+                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SEG: tl.constexpr, HAS_ROWS: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    if SPLIT:  # program (kvh, sp) runs segments sp, sp + n_split, ... and stores their states
+        sp = kvh % n_split
+        kvh = kvh // n_split
+    n_q, q_rows, head, row_ok, pos, last = _rows(b, tile, kvh, Q_START, Q_LEN, Q_POS0, SEQ_LENS, G, BLOCK_M, DECODE)
+    if tile * (BLOCK_M // G) >= n_q:
+        return
     d = tl.arange(0, D)
-    q_rows = (q0 + tok).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    last = p0 + tl.minimum(n_q, (tile + 1) * TOK) - 1  # the tile's largest query position
     table = KV_INDEX + b.to(tl.int64) * stride_ib
     if HAS_ROWS:  # sequence b's table is row kv_rows[b] (SGLang: req_to_token[req_pool_indices[b]])
         table = KV_INDEX + tl.load(KV_ROWS + b).to(tl.int64) * stride_ib
-    for start in range(0, last + 1, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos <= last
-        slot = tl.load(table + kpos, mask=k_ok, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float64), tl.trans(k.to(tl.float64))).to(tl.float32)
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ACC = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    seg_first = 0
+    seg_step = 1
+    nseg = tl.cdiv(last + 1, SEG)
+    if SPLIT:
+        seg_first = sp
+        seg_step = n_split
+        nseg = tl.minimum(nseg, nseg_max)  # never past the state buffer (the merge kernel flags it)
+    for j in range(seg_first, nseg, seg_step):
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for start in range(j * SEG, tl.minimum((j + 1) * SEG, last + 1), BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos <= last
+            slot = tl.load(table + kpos, mask=k_ok, other=0).to(tl.int64)
+            k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
+            if DOT_F32:
+                s = tl.dot(q.to(tl.float64), tl.trans(k.to(tl.float64))).to(tl.float32)
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row whose keys all lie later
+            a = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
+            l = l * a + tl.sum(p, axis=1)
+            pv = p.to(v.dtype)
+            if DOT_F32:
+                acc = acc * a[:, None] + tl.dot(pv.to(tl.float64), v.to(tl.float64)).to(tl.float32)
+            else:
+                acc = acc * a[:, None] + tl.dot(pv, v)
+            m = m_new
+        if SPLIT:  # state of (segment j, query row, head) at row j * seg_rows + q_row * Hq + head
+            at = j * seg_rows + q_rows * n_heads + head
+            tl.store(PART + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(PART_ML + 2 * at, m, mask=row_ok)
+            tl.store(PART_ML + 2 * at + 1, l, mask=row_ok)
         else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        a = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * a + tl.sum(p, axis=1)
-        pv = p.to(v.dtype)
-        if DOT_F32:
-            acc = acc * a[:, None] + tl.dot(pv.to(tl.float64), v.to(tl.float64)).to(tl.float32)
-        else:
-            acc = acc * a[:, None] + tl.dot(pv, v)
-        m = m_new
-    out = acc / l[:, None]
+            M, L, ACC = _merge(M, L, ACC, m, l, acc)
+    if not SPLIT:
+        tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 (ACC / L[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(O, PART, PART_ML, Q_START, Q_LEN, Q_POS0, SEQ_LENS, nseg_max, seg_rows, n_heads, stride_ot,
+                  stride_oh, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SEG: tl.constexpr,
+                  DECODE: tl.constexpr):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    n_q, q_rows, head, row_ok, pos, last = _rows(b, tile, kvh, Q_START, Q_LEN, Q_POS0, SEQ_LENS, G, BLOCK_M, DECODE)
+    if tile * (BLOCK_M // G) >= n_q:
+        return
+    d = tl.arange(0, D)
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ACC = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    nseg = tl.cdiv(last + 1, SEG)
+    for j in range(0, tl.minimum(nseg, nseg_max)):
+        at = j * seg_rows + q_rows * n_heads + head
+        acc = tl.load(PART + at[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        m = tl.load(PART_ML + 2 * at, mask=row_ok, other=float("-inf"))
+        l = tl.load(PART_ML + 2 * at + 1, mask=row_ok, other=0.0)
+        M, L, ACC = _merge(M, L, ACC, m, l, acc)
+    out = ACC / L[:, None]
+    out = tl.where(nseg > nseg_max, float("nan"), out)  # longer than max_kv_len: loud, never silently short
     tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
 
 
-def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None):
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None,
+              max_kv_len: int | None = None, seq_lens=None):
     """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D]; kv_index [B, L] (int32/int64 rows of
     the buffers; every position 0 .. q_pos0[b] + q_len[b] - 1 must be filled); q_start, q_len,
     q_pos0 [B] (first query row, query count, absolute position of the first query);
     ``max_q_len`` >= max(q_len) (a host int: sizes the grid without a device sync).
     ``kv_rows`` [B] (optional): sequence b reads row ``kv_rows[b]`` of a larger ``kv_index``
     (SGLang's whole ``req_to_token`` pool) instead of row b -- the same slots, so the same bits,
-    without gathering the rows first."""
+    without gathering the rows first.
+    ``seq_lens`` [B] (decode form): one query per sequence in row b of q, at position
+    seq_lens[b] - 1; q_start, q_len, q_pos0 are then ignored (pass None) and max_q_len is 1.
+    ``max_kv_len`` (optional host int, >= every sequence's key count): lets a launch with too few
+    programs to fill the GPU split its segments over programs (split-KV). Same bits either way;
+    in a split launch a sequence longer than it comes out NaN, never silently short."""
     tq, hq, d = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv or BLOCK_M % (hq // hkv) or d & (d - 1) or d < 16:
@@ -125,18 +220,40 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         raise ValueError("attention: k_buf and v_buf must be [S, Hkv, D] in q's dtype")
     if q.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or kv_index.stride(-1) != 1:
         raise ValueError("attention: q, k_buf, v_buf and kv_index need a unit last stride")
+    decode = seq_lens is not None
+    if decode and (max_q_len != 1 or seq_lens.shape[0] > tq):
+        raise ValueError("attention: the decode form (seq_lens) takes one query per sequence, max_q_len=1")
     g = hq // hkv
     out = torch.empty_like(q)
     b = kv_index.shape[0] if kv_rows is None else kv_rows.shape[0]
+    b = seq_lens.shape[0] if decode else b
     tiles = triton.cdiv(max_q_len, BLOCK_M // g)
-    if b and tiles and tq:
-        _attention_kernel[(b, tiles, hkv)](
-            q, k_buf, v_buf, out, kv_index, kv_rows if kv_rows is not None else q_len,  # (unused if None)
-            q_start.to(torch.int32), q_len.to(torch.int32), q_pos0.to(torch.int32),
-            float(scale if scale is not None else 1.0 / math.sqrt(d)),
-            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-            out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            HAS_ROWS=kv_rows is not None, DOT_F32=INTERPRETED, num_warps=NUM_WARPS)
+    if not (b and tiles and tq):
+        return out
+    programs = b * tiles * hkv
+    nseg_max = triton.cdiv(max_kv_len, SEG) if max_kv_len else 0
+    fill = 2 * _sm_count(q.device.index or 0) if q.is_cuda and not INTERPRETED else 8
+    n_split = min(nseg_max, triton.cdiv(fill, programs)) if nseg_max > 1 and programs < fill else 1
+    split = n_split > 1
+    if split:
+        part = torch.empty(nseg_max, tq, hq, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(nseg_max, tq, hq, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = part_ml = out  # unused
+    i32 = torch.int32
+    dummy = seq_lens if decode else q_len
+    starts, lens, pos0 = ((dummy,) * 3 if decode else (q_start.to(i32), q_len.to(i32), q_pos0.to(i32)))
+    _attention_kernel[(b, tiles, hkv * n_split)](
+        q, k_buf, v_buf, out, part, part_ml, kv_index, kv_rows if kv_rows is not None else dummy,  # (unused if None)
+        starts, lens, pos0, seq_lens if decode else dummy, float(scale if scale is not None else 1.0 / math.sqrt(d)),
+        n_split, nseg_max, tq * hq, hq, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+        v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, SEG=SEG, HAS_ROWS=kv_rows is not None, DECODE=decode, SPLIT=split, DOT_F32=INTERPRETED,
+        num_warps=NUM_WARPS)
+    if split:
+        _merge_kernel[(b, tiles, hkv)](out, part, part_ml, starts, lens, pos0, seq_lens if decode else dummy,
+                                       nseg_max, tq * hq, hq, out.stride(0), out.stride(1), G=g, D=d, BLOCK_M=BLOCK_M,
+                                       SEG=SEG, DECODE=decode, num_warps=NUM_WARPS)
     return out
 
 

@@ -37,15 +37,19 @@ def _check(backend, layer, causal=True, soft_cap=0.0, sinks=None, score_mod=None
         raise PatchError(f"true-on-policy attention: not in the contract: {', '.join(bad)}")
 
 
-def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len):
+def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len, seq_lens=None):
     from true_on_policy.kernels.attention import attention
 
     pool = backend.token_to_kv_pool
     k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
+    rows = forward_batch.req_pool_indices
+    # req_to_token's width bounds every sequence's length: lets a small batch split its KV
+    # segments over programs (same bits, kernels/attention.py)
     out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], -1, d), v_buf.view(v_buf.shape[0], -1, d),
                     backend.req_to_token, q_start, q_len, q_pos0, max_q_len, layer.scaling,
-                    kv_rows=forward_batch.req_pool_indices)
+                    kv_rows=rows if seq_lens is None else rows[:seq_lens.shape[0]],
+                    max_kv_len=backend.req_to_token.shape[1], seq_lens=seq_lens)
     o.view(-1, hq, d).copy_(out)
     return o
 
@@ -77,9 +81,8 @@ def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=No
                             KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc,
                                        full_loc=self.forward_metadata.out_cache_loc_full_physical),
                             k, v, layer.k_scale, layer.v_scale)
-    bs = q.shape[0]
-    starts = torch.arange(bs, device=q.device, dtype=torch.int32)
-    return _run(self, layer, forward_batch, q, o, starts, torch.ones_like(starts), forward_batch.seq_lens[:bs] - 1, 1)
+    # the kernel's decode form: query b at position seq_lens[b] - 1 (no per-layer index tensors)
+    return _run(self, layer, forward_batch, q, o, None, None, None, 1, seq_lens=forward_batch.seq_lens[:q.shape[0]])
 
 
 def apply(policy) -> PatchRecord:

@@ -33,9 +33,12 @@ NUMERICS = (
                "cos/sin built in fp32 from positions * inv_freq; rotate-half (neox) order",
                ("q/k upcast to fp32, x*cos + rotate_half(x)*sin in fp32, rounded once to bf16",)),
     OpNumerics("attention", ("self_attn",), _K + "attention", "bf16 q, bf16 K/V (paged or contiguous)",
-               "fp32", "per (query, head): KV in fixed 64-key blocks at absolute positions from 0, "
-               "online softmax in fp32; identical for prefill, chunked prefill and decode",
+               "fp32", "per (query, head): keys cut into fixed 256-key segments at absolute positions "
+               "from 0; each segment an online softmax from a fresh state over 64-key blocks; segment "
+               "states (max, sum, acc) merged in segment order with fma; split-KV over programs or not, "
+               "identical for prefill, chunked prefill and decode",
                ("scores fp32 (q.k in fp32, times scale)", "probabilities rounded to bf16 for the P.V product",
+                "merge: L = fma(l_j, y, L*x), ACC = fma(acc_j, y, ACC*x) in fp32",
                 "output accumulator fp32, divided by the row sum, rounded once to bf16")),
     OpNumerics("moe_router", ("mlp.gate",), _K + "moe", "bf16 router logits", "fp32",
                "softmax over all experts in fp32; top-k by value, ties to the lower expert id",

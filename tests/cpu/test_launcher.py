@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "db47dac214365e859766799b2c9e497eab302e39f35211f4aa0efe6f38a268cb"
+FP = "3d40a9ee3cd0da1ddc286849b7f1a337311e9eb5305024abb68e58bc8cf70b0e"
 
 
 def _launch(*args, env_extra=None):

@@ -127,7 +127,7 @@ def test_row_linear_tree_tp_invariance(gpu_evidence):
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128)])
 def test_attention_prefill_decode_chunked(hq, hkv, d, gpu_evidence):
     g = _gen(hq * d)
-    L = 300
+    L = 700  # crosses the 64-key blocks and the 256-key segments (256, 512)
     q, k, v = _randn(g, L, hq, d), _randn(g, L, hkv, d), _randn(g, L, hkv, d)
     kv, st, ln, p0 = contiguous_layout(1, L, "cuda")
     full = attention(q, k, v, kv, st, ln, p0, L)
@@ -144,22 +144,54 @@ def test_attention_prefill_decode_chunked(hq, hkv, d, gpu_evidence):
     pool_rows[2, :L] = table[0]
     _same(attention(q, kb, vb, pool_rows, st, ln, p0, L, kv_rows=torch.tensor([2], device="cuda")), full,
           "row indirection (req_to_token[req_pool_indices]) == gathered table")
-    pos = [0, 1, 62, 63, 64, 65, 127, 128, 129, 191, 192, 255, 256, 299]
-    # all decode steps in one batch: B sequences sharing the table, one query each
+    pos = [0, 1, 62, 63, 64, 65, 127, 128, 129, 191, 192, 255, 256, 257, 299, 511, 512, 513, 699]
+    # all decode steps in one batch: B sequences sharing the table, one query each; one program
+    # per (sequence, KV head), split-KV (max_kv_len) and the decode form (seq_lens)
     tables = table.expand(len(pos), L).contiguous()
     ones = torch.ones(len(pos), dtype=torch.int32, device="cuda")
-    dec = attention(q[pos].clone(), kb, vb, tables, torch.arange(len(pos), device="cuda"), ones,
-                    torch.tensor(pos, device="cuda"), 1)
+    ptens = torch.tensor(pos, device="cuda")
+    dec = attention(q[pos].clone(), kb, vb, tables, torch.arange(len(pos), device="cuda"), ones, ptens, 1)
     _same(dec, full[pos], "decode == prefill")
-    for p in (0, 64, 129):
-        one = attention(q[p:p + 1].clone(), kb, vb, table, *(torch.tensor([a], device="cuda") for a in (0, 1, p)), 1)
-        _same(one[0], full[p], f"decode alone at {p}")
-    for pre in (1, 63, 64, 65, 200):
-        rest = attention(q[pre:].clone(), kb, vb, table, *(torch.tensor([a], device="cuda") for a in (0, L - pre, pre)),
-                         L - pre)
-        _same(rest, full[pre:], f"chunked prefill after {pre}")
+    for mk in (L, 4096, 40960):
+        _same(attention(q[pos].clone(), kb, vb, tables, None, None, None, 1, max_kv_len=mk, seq_lens=ptens + 1),
+              full[pos], f"decode form, split-KV (max_kv_len={mk}) == prefill")
+        _same(attention(q[pos].clone(), kb, vb, pool_rows, None, None, None, 1, max_kv_len=mk, seq_lens=ptens + 1,
+                        kv_rows=torch.full_like(ptens, 2)), full[pos], f"decode form over req_to_token rows ({mk})")
+    for p in (0, 64, 129, 256, 600):
+        for mk in (None, L):
+            one = attention(q[p:p + 1].clone(), kb, vb, table, *(torch.tensor([a], device="cuda") for a in (0, 1, p)),
+                            1, max_kv_len=mk)
+            _same(one[0], full[p], f"decode alone at {p} (max_kv_len={mk})")
+    for pre in (1, 63, 64, 65, 200, 256, 511, 600):
+        for mk in (None, L):
+            rest = attention(q[pre:].clone(), kb, vb, table,
+                             *(torch.tensor([a], device="cuda") for a in (0, L - pre, pre)), L - pre, max_kv_len=mk)
+            _same(rest, full[pre:], f"chunked prefill after {pre} (max_kv_len={mk})")
+    short = attention(q[-1:].clone(), kb, vb, table, None, None, None, 1, max_kv_len=300,
+                      seq_lens=torch.tensor([L], device="cuda"))
+    assert short.isnan().all(), "a split launch with max_kv_len below the length must give NaN"
     gpu_evidence.append({"test": f"attention_{hq}q{hkv}kv_d{d}", "rel_err_vs_f64": rel, "decode_positions": pos,
-                         "chunked_prefixes": [1, 63, 64, 65, 200], "paged_equals_contiguous": True})
+                         "chunked_prefixes": [1, 63, 64, 65, 200, 256, 511, 600], "paged_equals_contiguous": True,
+                         "split_kv_max_kv_len": [L, 4096, 40960]})
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 7, 16, 33, 64, 65, 255])
+def test_attention_decode_batch_invariant(batch, gpu_evidence):
+    """Qwen3-30B-A3B heads: a sequence's decode output is the same bits at any batch size, split
+    or not (the split choice depends on the batch), and equal to its prefill row."""
+    g = _gen(batch)
+    hq, hkv, d, L = 32, 4, 128, 1100
+    kb, vb = _randn(g, L * 2, hkv, d), _randn(g, L * 2, hkv, d)
+    table = torch.randperm(L * 2, device="cuda", generator=g)[:L].int()[None].contiguous()
+    q = _randn(g, L, hq, d)
+    _, st, ln, p0 = contiguous_layout(1, L, "cuda")
+    full = attention(q, kb, vb, table, st, ln, p0, L)
+    pos = torch.randint(0, L, (batch,), device="cuda", generator=g)
+    pos[0] = L - 1
+    dec = attention(q[pos].clone(), kb, vb, table.expand(batch, L).contiguous(), None, None, None, 1,
+                    max_kv_len=L * 2, seq_lens=pos + 1)
+    _same(dec, full[pos], f"decode batch {batch} == prefill rows")
+    gpu_evidence.append({"test": f"attention_decode_batch_{batch}", "bitwise_vs_prefill": True})
 
 
 def test_rope(gpu_evidence):

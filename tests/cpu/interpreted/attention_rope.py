@@ -1,5 +1,6 @@
 """Interpreted: attention through an index table (paged == contiguous, decode == prefill ==
-chunked prefill, across 64-key block boundaries), RoPE apply invariance."""
+chunked prefill, across 64-key block and 256-key segment boundaries; split-KV == one program;
+the decode form), RoPE apply invariance."""
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
 from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
@@ -38,6 +39,24 @@ for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
     r = apply_rope(q, c, s)
     torch.testing.assert_close(r.float(), apply_rope_reference(q, c, s).float(), rtol=2e-2, atol=4e-2)
     assert torch.equal(apply_rope(q[5:9].clone(), c[5:9], s[5:9]), r[5:9])
+# across segments: split-KV (max_kv_len given, few programs) and the decode form give the same bits
+hq, hkv, d, L = 4, 2, 64, 530
+q = torch.randn(L, hq, d, generator=g).bfloat16()
+k, v = (torch.randn(L, hkv, d, generator=g).bfloat16() for _ in range(2))
+kv, st, ln, p0 = contiguous_layout(1, L)
+full = attention(q, k, v, kv, st, ln, p0, L)
+torch.testing.assert_close(full.float(), attention_reference(q, k, v, kv, st, ln, p0).float(), rtol=2e-2, atol=2e-2)
+pos = [0, 255, 256, 257, 511, 512, 529]
+for mk in (None, L, 1000):
+    dec = attention(q[pos].clone(), k, v, kv.expand(len(pos), L).contiguous(), None, None, None, 1, max_kv_len=mk,
+                    seq_lens=torch.tensor(pos) + 1)
+    assert torch.equal(dec, full[pos]), mk
+    one = attention(q[257:258].clone(), k, v, kv, *(torch.tensor([a]) for a in (0, 1, 257)), 1, max_kv_len=mk)
+    assert torch.equal(one[0], full[257]), mk
+rest = attention(q[300:].clone(), k, v, kv, *(torch.tensor([a]) for a in (0, L - 300, 300)), L - 300, max_kv_len=L)
+assert torch.equal(rest, full[300:])
+short = attention(q[-1:].clone(), k, v, kv, None, None, None, 1, max_kv_len=300, seq_lens=torch.tensor([L]))
+assert short.isnan().all(), "a sequence longer than max_kv_len must come out NaN"
 try:
     attention(torch.randn(3, 3, 64).bfloat16(), k, v, kv, st, ln, p0, 3)
 except ValueError:
