@@ -3,8 +3,10 @@
     PYTHONPATH=.:$PYTHONPATH python benchmarks/kernels.py [--tokens 1 64 4096] [--out bench.json]
 
 Prints one table: op, tokens, our median time, the baseline's median time and the speed ratio
-(baseline time / our time; 1.0 = as fast). Medians of ``triton.testing.do_bench`` (events,
-warm-up first), both sides in the same process on the same inputs. Baselines: cuBLAS through
+(baseline time / our time; 1.0 = as fast). Medians of ``triton.testing.do_bench_cudagraph``
+(``--timing graph``, the default: the GPU's time, as in graph-captured decode) or of
+``do_bench`` (``--timing eager``: launch overhead included), both sides in the same process on
+the same inputs. Baselines: cuBLAS through
 torch for GEMMs, SGLang 0.5.17's Triton kernels (decode attention, fused MoE) and sgl-kernel's
 RMSNorm where importable, torch SDPA for prefill attention, torch for the rest.
 """
@@ -28,7 +30,20 @@ from true_on_policy.kernels.tree_reduce import row_linear
 H, HQ, HKV, D, E, K, INTER, VOCAB, CTX, MAX_CTX = 2048, 32, 4, 128, 128, 8, 768, 151936, 1024, 40960
 
 
+TIMING = {"mode": "graph"}
+
+
 def _bench(fn):
+    """Median ms of ``fn``. "graph": replays of a captured CUDA graph (the GPU's time, as in the
+    rollout's graph-captured decode; launch overhead off both sides); "eager": plain launches.
+    A function that cannot be captured falls back to eager, and the row says so."""
+    if TIMING["mode"] == "graph":
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        except Exception as e:  # noqa: BLE001  (recorded, then timed eagerly)
+            TIMING.setdefault("eager_fallbacks", []).append(f"{type(e).__name__}: {str(e)[:80]}")
+            torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
@@ -224,29 +239,35 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--sweep", action="store_true", help="also time GEMM tile candidates")
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tile candidates")
+    ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                    help="graph: CUDA-graph replays, the GPU's time (default); eager: plain launches")
     args = ap.parse_args(argv)
+    TIMING["mode"] = args.timing
     table = []
     for t in () if args.sweep_only else args.tokens:
         for op, n, ours, base_name, base in rows_for(t):
+            fallbacks = len(TIMING.get("eager_fallbacks", ()))
             ours_ms = _bench(ours)
             try:
                 base_ms = _bench(base) if base else float("nan")
             except Exception as e:  # noqa: BLE001  (a baseline's failure is reported, not fatal)
                 base_name, base_ms = f"{base_name}: {type(e).__name__}: {str(e)[:80]}", float("nan")
+            mode = args.timing if len(TIMING.get("eager_fallbacks", ())) == fallbacks else "eager (fallback)"
             table.append({"op": op, "tokens": n, "ours_ms": ours_ms, "baseline": base_name, "baseline_ms": base_ms,
-                          "speed_ratio": base_ms / ours_ms})
+                          "speed_ratio": base_ms / ours_ms, "timing": mode})
             torch.cuda.empty_cache()
-    print("| op | tokens | ours ms | baseline | baseline ms | speed (base/ours) |\n|---|---:|---:|---|---:|---:|")
+    print("| op | tokens | ours ms | baseline | baseline ms | speed (base/ours) | timing |\n"
+          "|---|---:|---:|---|---:|---:|---|")
     for r in table:
         print(f"| {r['op']} | {r['tokens']} | {r['ours_ms']:.4f} | {r['baseline']} | {r['baseline_ms']:.4f} | "
-              f"{r['speed_ratio']:.2f} |")
+              f"{r['speed_ratio']:.2f} | {r['timing']} |")
     for name, err in IMPORT_ERRORS.items():
         print(f"baseline {name} not importable: {err}")
     swept = sweep(args.tokens) if args.sweep or args.sweep_only else None
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": table, "baseline_import_errors": IMPORT_ERRORS,
+                       "triton": triton.__version__, "timing": TIMING, "rows": table, "baseline_import_errors": IMPORT_ERRORS,
                        "sweep": swept}, f, indent=1)
 
 
