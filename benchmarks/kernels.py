@@ -233,6 +233,44 @@ def rows_for(t):
     return out
 
 
+def attention_sweep():
+    """Attention configs (segment size, warps, pipeline stages): speed of decode (1 and 64
+    sequences, ctx CTX) and a 4096-token prefill, and whether each config gives the bits of the
+    first config with the same segment size (the segment size is numerics; the rest may not be)."""
+    from true_on_policy.kernels import attention as att
+    print("\n| SEG | warps | stages | decode 1 ms | decode 64 ms | prefill 4096 ms | bits == first of SEG |\n"
+          "|---:|---:|---:|---:|---:|---:|---|")
+    keep = (att.SEG, att.NUM_WARPS, att.NUM_STAGES)
+    cases = []
+    for t in (1, 64):
+        kb, vb = _r(t * CTX, HKV, D), _r(t * CTX, HKV, D)
+        table = torch.randperm(t * CTX, device="cuda").int().view(t, CTX)
+        cases.append((_r(t, HQ, D), kb, vb, table, torch.full((t,), CTX, device="cuda", dtype=torch.int32)))
+    qp, kp, vp = _r(4096, HQ, D), _r(4096, HKV, D), _r(4096, HKV, D)
+    lay = contiguous_layout(1, 4096, "cuda")
+    rows, first = [], {}
+    for seg in (128, 256):
+        for warps in (4, 8):
+            for stages in (1, 2, 3, 4):
+                att.SEG, att.NUM_WARPS, att.NUM_STAGES = seg, warps, stages
+                fns = [lambda c=c: att.attention(c[0], c[1], c[2], c[3], None, None, None, 1, max_kv_len=MAX_CTX,
+                                                 seq_lens=c[4]) for c in cases]
+                fns.append(lambda: att.attention(qp, kp, vp, *lay, 4096))
+                try:
+                    outs = [f() for f in fns]
+                    ms = [_bench(f) for f in fns]
+                except Exception as e:  # noqa: BLE001  (a config that does not compile is reported)
+                    print(f"| {seg} | {warps} | {stages} | failed: {type(e).__name__}: {str(e)[:80]} |")
+                    continue
+                ref = first.setdefault(seg, outs)
+                same = all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+                print(f"| {seg} | {warps} | {stages} | {ms[0]:.4f} | {ms[1]:.4f} | {ms[2]:.4f} | {same} |")
+                rows.append({"seg": seg, "num_warps": warps, "num_stages": stages, "decode1_ms": ms[0],
+                             "decode64_ms": ms[1], "prefill4096_ms": ms[2], "same_bits_as_first_of_seg": same})
+    att.SEG, att.NUM_WARPS, att.NUM_STAGES = keep
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
@@ -241,8 +279,16 @@ def main(argv=None):
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tile candidates")
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
                     help="graph: CUDA-graph replays, the GPU's time (default); eager: plain launches")
+    ap.add_argument("--attention-sweep", action="store_true", help="only the attention configs")
     args = ap.parse_args(argv)
     TIMING["mode"] = args.timing
+    if args.attention_sweep:
+        rows = attention_sweep()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "timing": TIMING, "attention_sweep": rows}, f,
+                          indent=1)
+        return
     table = []
     for t in () if args.sweep_only else args.tokens:
         for op, n, ours, base_name, base in rows_for(t):

@@ -38,6 +38,7 @@ BLOCK_M = 64  # rows of a tile: (query token, query head of the group) pairs; fi
 BLOCK_N = 64  # keys per block, at absolute positions; fixed (the contract's 64-key blocks)
 SEG = 256  # keys per segment (4 blocks), at absolute positions; fixed (the contract's 256-key segments)
 NUM_WARPS = 4
+NUM_STAGES = 3  # software pipelining of the K/V loads (speed only)
 
 
 def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None, acc=torch.float32):
@@ -249,7 +250,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         n_split, nseg_max, tq * hq, hq, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, SEG=SEG, HAS_ROWS=kv_rows is not None, DECODE=decode, SPLIT=split, DOT_F32=INTERPRETED,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split:
         _merge_kernel[(b, tiles, hkv)](out, part, part_ml, starts, lens, pos0, seq_lens if decode else dummy,
                                        nseg_max, tq * hq, hq, out.stride(0), out.stride(1), G=g, D=d, BLOCK_M=BLOCK_M,

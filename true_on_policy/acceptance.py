@@ -181,6 +181,8 @@ def run(geometry="embedded", small=False, folder=None, resume=False) -> dict:
 
     model_path = tiny_model.ensure(geometry)
     folder = folder or os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         ph = {n: _run_phase(n, model_path, small, folder or tmp, resume)
               for n in ("tpo", "eager", "stock", "no_plugin")}

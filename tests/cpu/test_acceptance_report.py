@@ -1,6 +1,8 @@
 """The rollout acceptance driver's report logic on the CPU: phases replaced by recorded
 outputs (the engines need a GPU), so a wrong key or comparison fails here, not on the device."""
 
+import os
+
 import torch
 
 from true_on_policy import acceptance, parity
@@ -57,3 +59,17 @@ def test_resume_reuses_a_finished_phase_without_starting_an_engine(tmp_path):
     (tmp_path / "acceptance-eager.json").write_text('{"phase": "eager", "sample_t1.0": []}')
     got = acceptance._run_phase("eager", "/nonexistent/model", True, str(tmp_path), resume=True)
     assert got == {"phase": "eager", "sample_t1.0": []}
+
+
+def test_a_new_folder_is_created_before_the_phases_write_into_it(tiny_cache, monkeypatch, tmp_path):
+    folder = tmp_path / "not" / "yet"
+    seen = []
+
+    def phases(name, model_path, small, f, resume=False):
+        seen.append(os.path.isdir(f))
+        return _fake_phases()(name, model_path, small, f, resume)
+
+    monkeypatch.setattr(acceptance, "_run_phase", phases)
+    monkeypatch.setattr(parity, "trainer_logprobs", _fake_trainer)
+    acceptance.run("embedded", small=True, folder=str(folder))
+    assert seen and all(seen)
