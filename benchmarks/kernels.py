@@ -252,7 +252,7 @@ def attention_sweep():
     for seg in (128, 256):
         for warps in (4, 8):
             for stages in (1, 2, 3, 4):
-                att.SEG, att.NUM_WARPS, att.NUM_STAGES = seg, warps, stages
+                att.SEG, att.NUM_WARPS, att.NUM_STAGES = seg, warps, {"decode": stages, "extend": stages}
                 fns = [lambda c=c: att.attention(c[0], c[1], c[2], c[3], None, None, None, 1, max_kv_len=MAX_CTX,
                                                  seq_lens=c[4]) for c in cases]
                 fns.append(lambda: att.attention(qp, kp, vp, *lay, 4096))

@@ -2,7 +2,7 @@
 prefill over a cached prefix, and decode.
 
 Math, per query (sequence b, absolute position p, query head h, KV head h // G):
-  the keys 0..p are cut into segments of SEG keys at absolute positions [j*SEG, (j+1)*SEG);
+  the keys 0..p are cut into segments of SEG = 128 keys at absolute positions [j*SEG, (j+1)*SEG);
   each segment j runs an online softmax from a fresh state over its blocks of BLOCK_N keys:
       s  = fp32(q . k) * scale, keys after p masked to -inf
       m' = max(m, max(s));  a = exp(m - m');  P = exp(s - m')
@@ -36,9 +36,11 @@ from true_on_policy.kernels.matmul import INTERPRETED
 
 BLOCK_M = 64  # rows of a tile: (query token, query head of the group) pairs; fixed
 BLOCK_N = 64  # keys per block, at absolute positions; fixed (the contract's 64-key blocks)
-SEG = 256  # keys per segment (4 blocks), at absolute positions; fixed (the contract's 256-key segments)
+SEG = 128  # keys per segment (2 blocks), at absolute positions; fixed (the contract's 128-key segments)
+# Speed only: warps and pipeline stages change no bit (benchmarks/kernels.py --attention-sweep checks
+# it); stages by kernel form, never by token count: 3 for the decode form, 1 for prefill/extend
 NUM_WARPS = 4
-NUM_STAGES = 3  # software pipelining of the K/V loads (speed only)
+NUM_STAGES = {"decode": 3, "extend": 1}
 
 
 def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None, acc=torch.float32):
@@ -250,7 +252,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         n_split, nseg_max, tq * hq, hq, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, SEG=SEG, HAS_ROWS=kv_rows is not None, DECODE=decode, SPLIT=split, DOT_F32=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES["decode" if decode else "extend"])
     if split:
         _merge_kernel[(b, tiles, hkv)](out, part, part_ml, starts, lens, pos0, seq_lens if decode else dummy,
                                        nseg_max, tq * hq, hq, out.stride(0), out.stride(1), G=g, D=d, BLOCK_M=BLOCK_M,

@@ -33,7 +33,7 @@ NUMERICS = (
                "cos/sin built in fp32 from positions * inv_freq; rotate-half (neox) order",
                ("q/k upcast to fp32, x*cos + rotate_half(x)*sin in fp32, rounded once to bf16",)),
     OpNumerics("attention", ("self_attn",), _K + "attention", "bf16 q, bf16 K/V (paged or contiguous)",
-               "fp32", "per (query, head): keys cut into fixed 256-key segments at absolute positions "
+               "fp32", "per (query, head): keys cut into fixed 128-key segments at absolute positions "
                "from 0; each segment an online softmax from a fresh state over 64-key blocks; segment "
                "states (max, sum, acc) merged in segment order with fma; split-KV over programs or not, "
                "identical for prefill, chunked prefill and decode",

@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "3d40a9ee3cd0da1ddc286849b7f1a337311e9eb5305024abb68e58bc8cf70b0e"
+FP = "efc8e1edd9a4c07958ea26bb351fc03e7cad9ec962d076918a6e231328910694"
 
 
 def _launch(*args, env_extra=None):

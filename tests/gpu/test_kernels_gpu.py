@@ -127,7 +127,7 @@ def test_row_linear_tree_tp_invariance(gpu_evidence):
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128)])
 def test_attention_prefill_decode_chunked(hq, hkv, d, gpu_evidence):
     g = _gen(hq * d)
-    L = 700  # crosses the 64-key blocks and the 256-key segments (256, 512)
+    L = 700  # crosses the 64-key blocks and the 128-key segments
     q, k, v = _randn(g, L, hq, d), _randn(g, L, hkv, d), _randn(g, L, hkv, d)
     kv, st, ln, p0 = contiguous_layout(1, L, "cuda")
     full = attention(q, k, v, kv, st, ln, p0, L)

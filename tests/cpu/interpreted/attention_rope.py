@@ -1,5 +1,5 @@
 """Interpreted: attention through an index table (paged == contiguous, decode == prefill ==
-chunked prefill, across 64-key block and 256-key segment boundaries; split-KV == one program;
+chunked prefill, across 64-key block and 128-key segment boundaries; split-KV == one program;
 the decode form), RoPE apply invariance."""
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
