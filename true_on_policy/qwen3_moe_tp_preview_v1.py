@@ -6,11 +6,12 @@ segments). The routing exists: row-parallel layers finish the tree over SGLang's
 group (patches/linear.py), the communicator's all-reduce passes the tree's result through
 and refuses anything else (patches/communicator.py), and the MoE block finishes its down-projection
 tree over the MoE-TP group and sums EP slot outputs exactly (patches/qwen3_moe.py).
-Measured (evidence/parity-tpo-tp2-embedded.json): a TP=2 rollout on 2x H200, CUDA graphs on, is
-bitwise equal to the one-GPU patched trainer (embedded model, 16 prompts x 32 tokens, T=1.0).
-Not measured yet: TP 4/8, EP > 1, the wide geometry. The ``rollout_rules`` text below predates
-the TP=2 run; it is kept as is, so the run's recorded fingerprint stays this contract's. Once
-the remaining layouts are measured, they move into a new version of the main contract. Select it with
+Measured under the previous attention numerics (64-key blocks, no segments; fingerprint
+0c5c7188..., evidence/previous-numerics/parity-tpo-tp2-embedded.json): a TP=2 rollout on 2x H200,
+CUDA graphs on, was bitwise equal to the one-GPU patched trainer (embedded model, 16 prompts x 32
+tokens, T=1.0). Not re-run since the 128-key attention segments (this contract shares v1's
+numerics, so its fingerprint changed with them). Not measured yet: TP 4/8, EP > 1, the wide
+geometry. Once the layouts are measured, they move into a new version of the main contract. Select it with
 ``--true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1``.
 """
 
