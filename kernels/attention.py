@@ -213,7 +213,9 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     seq_lens[b] - 1; q_start, q_len, q_pos0 are then ignored (pass None) and max_q_len is 1.
     ``max_kv_len`` (optional host int, >= every sequence's key count): lets a launch with too few
     programs to fill the GPU split its segments over programs (split-KV). Same bits either way;
-    in a split launch a sequence longer than it comes out NaN, never silently short."""
+    in a split launch a sequence longer than it comes out NaN, never silently short. A split
+    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32: at most about
+    350 MB for a 40960-token bound, since it splits only while Tq x Hkv < 2 x SMs."""
     tq, hq, d = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv or BLOCK_M % (hq // hkv) or d & (d - 1) or d < 16:
