@@ -166,6 +166,13 @@ def sweep(tokens):
     return rows
 
 
+def _decode_case(t):
+    """Decode of t sequences, CTX keys each, one query each, in a shuffled paged pool."""
+    kb, vb = _r(t * CTX, HKV, D), _r(t * CTX, HKV, D)
+    table = torch.randperm(t * CTX, device="cuda").int().view(t, CTX)
+    return _r(t, HQ, D), kb, vb, table, torch.full((t,), CTX, device="cuda", dtype=torch.int32)
+
+
 def rows_for(t):
     out = []
     x = _r(t, H)
@@ -191,10 +198,7 @@ def rows_for(t):
     out.append(("attention prefill (1 seq)", t, lambda: attention(qp, kp, vp, *lay, t), "torch SDPA (flash)",
                 lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)))
     # decode: t sequences, CTX keys each, one query each, paged pool
-    kb, vb = _r(t * CTX, HKV, D), _r(t * CTX, HKV, D)
-    table = torch.randperm(t * CTX, device="cuda").int().view(t, CTX)
-    qd = _r(t, HQ, D)
-    pos = torch.full((t,), CTX - 1, device="cuda", dtype=torch.int32)
+    qd, kb, vb, table, seq_lens = _decode_case(t)
     dec = _sgl_decode()
     if dec:
         splits = 8
@@ -211,7 +215,7 @@ def rows_for(t):
     # ours as the rollout calls it: the decode form, bounded by Qwen3-30B-A3B's 40960-token context
     # (the width of SGLang's req_to_token), which lets a small batch split its KV segments
     out.append((f"attention decode (ctx {CTX})", t, lambda: attention(qd, kb, vb, table, None, None, None, 1,
-                                                                       max_kv_len=MAX_CTX, seq_lens=pos + 1), *base))
+                                                                       max_kv_len=MAX_CTX, seq_lens=seq_lens), *base))
     xm, rw = _r(t, H), _r(E, H, scale=0.05)
     w13, w2 = _r(E, 2 * INTER, H, scale=0.03), _r(E, H, INTER, scale=0.03)
     fm = _sgl_fused_moe()
@@ -243,9 +247,7 @@ def attention_sweep():
     keep = (att.SEG, att.NUM_WARPS, att.NUM_STAGES)
     cases = []
     for t in (1, 64):
-        kb, vb = _r(t * CTX, HKV, D), _r(t * CTX, HKV, D)
-        table = torch.randperm(t * CTX, device="cuda").int().view(t, CTX)
-        cases.append((_r(t, HQ, D), kb, vb, table, torch.full((t,), CTX, device="cuda", dtype=torch.int32)))
+        cases.append(_decode_case(t))
     qp, kp, vp = _r(4096, HQ, D), _r(4096, HKV, D), _r(4096, HKV, D)
     lay = contiguous_layout(1, 4096, "cuda")
     rows, first = [], {}
