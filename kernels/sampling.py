@@ -1,0 +1,274 @@
+"""Sampling: draw each token from, and report it with, the contract's fp32 ``log_softmax(logits / T)``.
+
+Math, per row r with temperature T, seed s (int64), position p (the row's position in its sequence):
+
+- logp_v = z_v - lse, z_v = fp32(logits_v) / T (IEEE division), lse the shard tree of
+  ``kernels/logprobs`` (the same (max, sum) statistics ``token_logprobs`` uses), so
+  logp_v is bitwise ``token_logprobs(logits, v, T)``.
+- Truncation (``top_k`` / ``top_p`` / ``min_p``, SGLang's joint rule, all judged on the full
+  distribution; ``truncate``): order the vocabulary by logp descending, ties to the lower id; keep
+  rank < top_k, exclusive cumulative probability <= top_p, p_v >= min_p * p_max (the kept set is a
+  prefix of that order); logq_v = fp32(fp64(logp_v) - log(S)) with S the fp64 cumulative
+  probability of the kept prefix, -inf elsewhere. Without truncation logq = logp.
+- Noise: u_v = (murmur3_32(s, p, v) + 0.5) / 2^32 in fp64 (strictly inside (0, 1); SGLang's
+  ``h / (2^32 - 1)`` reaches 1 and gives an infinite Gumbel), g_v = -log(-log(u_v)) in fp64.
+- token = argmax_v fp64(logq_v) + g_v (Gumbel-max: P(token = v) = exp(logq_v) / sum_w exp(logq_w),
+  the reported distribution up to its fp32 rounding); ties to the lowest id.
+- Greedy rows (top_k == 1, SGLang's form of T = 0): token = argmax_v fp32 logits_v (ties to the
+  lowest id); reported log-prob logp_token at T (= 1 after SGLang's normalisation), untruncated.
+- Reported log-prob: logq_token, the very value the draw used.
+
+Invariance: row r depends only on row r's logits and (T, s, p, top_k, top_p, min_p). The draw
+reads the vocabulary in 8 fixed shards of fixed 4096-wide chunks; shard winners are combined in
+shard order; nothing depends on the row count. The truncation is torch (``torch.sort`` stable,
+``torch.cumsum`` in fp64, one row at a time in the same way whatever the batch); it has no
+separate Triton form.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from true_on_policy.kernels.logprobs import SHARDS, VBLOCK, finish, shard_stats, temperatures, token_z
+
+_U_SCALE = 1.0 / 4294967296.0  # 2^-32
+ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are row-independent)
+
+
+# ---------------------------------------------------------------------------- references
+def murmur3_reference(seed: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 (x86, 32-bit) of the 16 bytes (seed low, seed high, position, column), h0 = 0:
+    int64 [rows, cols] holding uint32 values. Plain torch on int64 (masks keep 32 bits)."""
+    m32 = 0xFFFFFFFF
+
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & m32
+
+    def mix(h, k):
+        k = (k * 0xCC9E2D51) & m32
+        k = (rotl(k, 15) * 0x1B873593) & m32
+        h = rotl(h ^ k, 13)
+        return (h * 5 + 0xE6546B64) & m32
+
+    s = seed.to(torch.int64)[:, None]
+    h = torch.zeros_like(s)
+    h = mix(h, s & m32)
+    h = mix(h, (s >> 32) & m32)
+    h = mix(h, positions.to(torch.int64)[:, None] & m32)
+    h = mix(h, cols.to(torch.int64)[None, :] & m32)
+    h = h ^ 16
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & m32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & m32
+    return h ^ (h >> 16)
+
+
+def gumbel_reference(hashes: torch.Tensor) -> torch.Tensor:
+    u = (hashes.to(torch.float64) + 0.5) * _U_SCALE
+    return -torch.log(-torch.log(u))
+
+
+def sample_reference(logq: torch.Tensor, logits: torch.Tensor, seeds, positions, greedy) -> torch.Tensor:
+    """argmax(fp64(logq) + g) per row (argmax of the fp32 logits on greedy rows); ties to the lowest id."""
+    cols = torch.arange(logq.shape[1], device=logq.device)
+    score = logq.double() + gumbel_reference(murmur3_reference(seeds, positions, cols))
+    score = torch.where(greedy[:, None], logits.double(), score)
+    return torch.argmax(score, dim=1)
+
+
+# ---------------------------------------------------------------------------- kernel
+@triton.jit
+def _mix(h, k):
+    k = (k * 0xCC9E2D51) & 0xFFFFFFFF
+    k = ((k << 15) | (k >> 17)) & 0xFFFFFFFF
+    k = (k * 0x1B873593) & 0xFFFFFFFF
+    h = h ^ k
+    h = ((h << 13) | (h >> 19)) & 0xFFFFFFFF
+    return (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+
+
+@triton.jit
+def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST_IDX, stride_v, stride_l,
+                          SHARD, VOCAB, FROM_LOGITS: tl.constexpr, VBLOCK: tl.constexpr):
+    """One (row, shard): the shard's best fp64 score and its id. Scores: fp64(x) + g, x = logq
+    (``VALS``) or, with FROM_LOGITS, logp = logits / T - lse computed here; greedy rows: fp32 logits."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    seed = tl.load(SEED + row).to(tl.uint64)
+    pos = tl.load(POS + row).to(tl.uint64) & 0xFFFFFFFF
+    greedy = tl.load(GREEDY + row) != 0
+    h0 = _mix(tl.zeros([VBLOCK], tl.uint64), seed & 0xFFFFFFFF)
+    h0 = _mix(h0, (seed >> 32) & 0xFFFFFFFF)
+    h0 = _mix(h0, pos)
+    T = tl.load(TEMP + row)
+    lse = tl.load(LSE + row)
+    best = tl.full([VBLOCK], float("-inf"), tl.float64)
+    best_i = tl.zeros([VBLOCK], tl.int64)
+    for start in range(0, SHARD, VBLOCK):
+        local = start + tl.arange(0, VBLOCK)
+        cols = s * SHARD + local
+        ok = (local < SHARD) & (cols < VOCAB)
+        logit = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if FROM_LOGITS:
+            x = tl.math.div_rn(logit, T) - lse
+        else:
+            x = tl.load(VALS + row * stride_v + cols, mask=ok, other=float("-inf"))
+        h = _mix(h0, cols.to(tl.uint64))
+        h = h ^ 16
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        h = h ^ (h >> 16)
+        u = (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32, exact
+        g = -tl.log(-tl.log(u))
+        score = tl.where(greedy, logit.to(tl.float64), x.to(tl.float64) + g)
+        score = tl.where(ok, score, float("-inf"))
+        better = score > best  # strict: an earlier chunk keeps a tie
+        best_i = tl.where(better, cols.to(tl.int64), best_i)
+        best = tl.where(better, score, best)
+    m = tl.max(best, axis=0)
+    cand = tl.where(best == m, best_i, 9223372036854775807)
+    tl.store(BEST + row * 8 + s, m)
+    tl.store(BEST_IDX + row * 8 + s, tl.min(cand, axis=0))
+
+
+# ---------------------------------------------------------------------------- launchers
+def row_lse(stats: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows]: the shard tree's m + log(e), exactly as ``token_logprobs`` subtracts it."""
+    return -finish(stats, torch.zeros(stats.shape[0], dtype=torch.float32, device=stats.device))
+
+
+def log_softmax_rows(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """fp32 [rows, vocab]: every entry bitwise ``token_logprobs(logits, v, T)``."""
+    temp = temperatures(temperature, logits.shape[0], logits.device)
+    lse = row_lse(shard_stats(logits, temp, SHARDS))
+    return logits.float() / temp[:, None] - lse[:, None]
+
+
+def _per_row(value, rows, device, dtype, default):
+    if value is None:
+        return torch.full((rows,), default, dtype=dtype, device=device)
+    t = value.to(device=device, dtype=dtype).reshape(-1) if isinstance(value, torch.Tensor) else \
+        torch.full((rows,), value, dtype=dtype, device=device)
+    return t.expand(rows).contiguous() if t.numel() == 1 else t
+
+
+def truncation_params(rows, vocab, device, top_k=None, top_p=None, min_p=None):
+    """Per-row (top_k int64, top_p fp64, min_p fp64, need bool). top_k <= 0 or >= vocab: all;
+    top_k == 1 is greedy and never truncates the reported log-prob."""
+    k = _per_row(top_k, rows, device, torch.int64, vocab)
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    p = _per_row(top_p, rows, device, torch.float64, 1.0)
+    mp = _per_row(min_p, rows, device, torch.float64, 0.0)
+    need = ((k < vocab) | (p < 1.0) | (mp > 0.0)) & (k != 1)
+    return k, p, mp, need
+
+
+def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int = ROW_CHUNK) -> torch.Tensor:
+    """fp32 [rows, vocab] logq (see the module docstring); rows that need no truncation are logp.
+    Rows are processed ``chunk`` at a time (row-independent, so the chunk changes no bit)."""
+    rows, vocab = logp.shape
+    k, p, mp, need = truncation_params(rows, vocab, logp.device, top_k, top_p, min_p)
+    out = [_truncate_rows(logp[i:i + chunk], k[i:i + chunk], p[i:i + chunk], mp[i:i + chunk], need[i:i + chunk])
+           for i in range(0, rows, chunk)]
+    return torch.cat(out) if len(out) != 1 else out[0]
+
+
+def _truncate_rows(logp, k, p, mp, need):
+    vocab = logp.shape[1]
+    srt, idx = torch.sort(logp, dim=-1, descending=True, stable=True)
+    prob = srt.double().exp()
+    cum = torch.cumsum(prob, dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # exclusive, monotone
+    len_p = torch.where(p < 1.0, (before <= p[:, None]).sum(dim=-1), vocab)
+    len_m = (prob >= mp[:, None] * prob[:, :1]).sum(dim=-1)
+    kept = torch.minimum(torch.minimum(k, len_p), len_m).clamp_(min=1)  # each criterion keeps a prefix
+    keep = torch.arange(vocab, device=logp.device)[None, :] < kept[:, None]
+    total = cum.gather(1, (kept - 1)[:, None])
+    q_sorted = torch.where(keep, (srt.double() - torch.log(total)).float(), float("-inf"))
+    logq = torch.empty_like(logp).scatter_(1, idx, q_sorted)
+    return torch.where(need[:, None], logq, logp)
+
+
+def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: torch.Tensor,
+           top_k=None, top_p=None, min_p=None, need_dist: bool = False):
+    """Draw one token per row and report its log-prob (see the module docstring).
+
+    logits fp32 [rows, vocab] (full vocabulary; rows may be strided), temperature float or fp32
+    [rows], seeds int [rows], positions int [rows], top_k/top_p/min_p None, scalars or [rows].
+    Returns (ids int64 [rows], logprobs fp32 [rows], dist) where dist is the fp32 [rows, vocab]
+    distribution drawn from (logq) when truncation was applied or ``need_dist``, else None.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    temp = temperatures(temperature, rows, device)
+    stats = shard_stats(logits, temp, SHARDS)
+    lse = row_lse(stats)
+    k, p, mp, need = truncation_params(rows, vocab, device, top_k, top_p, min_p)
+    greedy = (k == 1).to(torch.int8)
+    truncating = top_k is not None or top_p is not None or min_p is not None
+    dist = None
+    if truncating or need_dist:
+        dist = logits.float() / temp[:, None] - lse[:, None]
+        if truncating:
+            dist = truncate(dist, k, p, mp)
+    best = torch.empty(rows, 8, dtype=torch.float64, device=device)
+    best_idx = torch.empty(rows, 8, dtype=torch.int64, device=device)
+    if rows:
+        vals = dist if dist is not None else logits
+        _gumbel_argmax_kernel[(rows, SHARDS)](
+            vals, logits, temp, lse, seeds.to(device=device, dtype=torch.int64).contiguous(),
+            positions.to(device=device, dtype=torch.int64).contiguous(), greedy, best, best_idx,
+            vals.stride(0), logits.stride(0), triton.cdiv(vocab, SHARDS), vocab,
+            FROM_LOGITS=dist is None, VBLOCK=VBLOCK)
+    ids = best_idx.gather(1, torch.argmax(best, dim=1, keepdim=True))[:, 0]
+    if dist is not None:
+        lp = dist.gather(1, ids[:, None])[:, 0]
+    else:
+        lp = finish(stats, token_z(logits, ids, temp))
+    return ids, lp, dist
+
+
+def truncated_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0,
+                             top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """The trainer's side of ``sample``: fp32 logq at ``tokens`` (bitwise the rollout's report)."""
+    rows, vocab = logits.shape
+    temp = temperatures(temperature, rows, logits.device)
+    k, p, mp, _ = truncation_params(rows, vocab, logits.device, top_k, top_p, min_p)
+    out = []
+    for i in range(0, rows, ROW_CHUNK):
+        sl = slice(i, i + ROW_CHUNK)
+        logq = truncate(log_softmax_rows(logits[sl], temp[sl]), k[sl], p[sl], mp[sl])
+        out.append(logq.gather(1, tokens[sl].long()[:, None])[:, 0])
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.float32, device=logits.device)
+
+
+def truncated_token_logprobs_reference(logits, tokens, temperature=1.0, top_k=None, top_p=None, min_p=None,
+                                       acc: torch.dtype = torch.float32):
+    z = logits.to(acc) / temperatures(temperature, logits.shape[0], logits.device).to(acc)[:, None]
+    logq = truncate(torch.log_softmax(z, dim=-1).float(), top_k, top_p, min_p)
+    return logq.gather(1, tokens.long()[:, None])[:, 0]
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of observed ``counts`` against ``probs`` (cells with expected < 5 pooled)
+    and its degrees of freedom."""
+    n = float(counts.sum())
+    exp = probs.double() * n
+    big = exp >= 5
+    obs_c = torch.cat([counts.double()[big], counts.double()[~big].sum()[None]])
+    exp_c = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = exp_c > 0
+    stat = float((((obs_c - exp_c) ** 2)[keep] / exp_c[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def chi_square_critical(dof: int, z: float = 4.0) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(dof) at standard-normal ``z`` (4.0: p ~ 3e-5)."""
+    a = 2.0 / (9.0 * dof)
+    return dof * (1.0 - a + z * math.sqrt(a)) ** 3

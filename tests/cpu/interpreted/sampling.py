@@ -1,0 +1,57 @@
+"""Interpreted: the Gumbel-max sampler against its torch reference (SGLang's murmur hash
+re-stated in torch), the reported log-prob equal to token_logprobs bitwise, greedy, truncation,
+batch invariance."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
+from true_on_policy.kernels.logprobs import token_logprobs  # noqa: E402
+from true_on_policy.kernels.sampling import (  # noqa: E402
+    log_softmax_rows,
+    sample,
+    sample_reference,
+    truncate,
+    truncated_token_logprobs,
+)
+
+g = torch.Generator().manual_seed(0)
+R, V = 6, 136  # 8 shards of 17: chunks end inside a shard
+logits = torch.randn(R, V, generator=g) * 3
+temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 1.0])
+seeds = torch.tensor([1, 2, -5, 2**62 + 7, 42, 42])
+pos = torch.tensor([0, 5, 9, 100, 7, 8])
+
+ids, lp, dist = sample(logits, temp, seeds, pos)
+assert dist is None
+logp = log_softmax_rows(logits, temp)
+assert torch.equal(logp.gather(1, ids[:, None])[:, 0], lp)  # the draw's values are the report's
+assert torch.equal(lp, token_logprobs(logits, ids, temp))  # ... and the trainer's
+ref = sample_reference(logp, logits, seeds, pos, torch.zeros(R, dtype=torch.bool))
+assert torch.equal(ids, ref), (ids, ref)
+for n in (1, 2, 5):  # batch invariance
+    i2, l2, _ = sample(logits[:n].clone(), temp[:n], seeds[:n], pos[:n])
+    assert torch.equal(i2, ids[:n]) and torch.equal(l2, lp[:n]), n
+
+# greedy (top_k == 1): argmax of the fp32 logits, untruncated log-prob
+gi, glp, _ = sample(logits, 1.0, seeds, pos, top_k=1)
+assert torch.equal(gi, torch.argmax(logits, 1)), (gi, torch.argmax(logits, 1))
+assert torch.equal(glp, token_logprobs(logits, gi, 1.0))
+
+# truncation: same draw as the reference on logq; the report equals the trainer's function
+k = torch.tensor([5, 0, 3, 1, 136, 20])
+p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.3, 1.0])
+mp = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05])
+ti, tlp, logq = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp)
+greedy = k == 1
+assert torch.equal(ti, sample_reference(logq, logits, seeds, pos, greedy))
+assert torch.equal(tlp, truncated_token_logprobs(logits, ti, temp, k, p, mp))
+kept = torch.isfinite(logq).sum(1)
+assert kept[0] == 5 and kept[3] == V and kept[4] >= 1 and bool((kept[[1, 2, 4, 5]] < V).all()), kept
+s = logq[0].double().exp().sum()
+assert abs(float(s) - 1.0) < 1e-6, s
+assert torch.isfinite(logq.gather(1, ti[:, None])).all()  # never draws a truncated token
+assert torch.equal(truncate(logp, k, p, mp)[3], logp[3])  # greedy rows keep logp
+ties = torch.zeros(1, 16)
+assert torch.isfinite(truncate(ties, 4)).sum() == 4 and torch.isfinite(truncate(ties, 4))[0, :4].all()
+print("interpreted-ok")
