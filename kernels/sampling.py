@@ -196,13 +196,15 @@ def _truncate_rows(logp, k, p, mp, need):
 
 
 def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: torch.Tensor,
-           top_k=None, top_p=None, min_p=None, need_dist: bool = False):
+           top_k=None, top_p=None, min_p=None, need_dist: bool = False, truncating: bool | None = None):
     """Draw one token per row and report its log-prob (see the module docstring).
 
     logits fp32 [rows, vocab] (full vocabulary; rows may be strided), temperature float or fp32
     [rows], seeds int [rows], positions int [rows], top_k/top_p/min_p None, scalars or [rows].
     Returns (ids int64 [rows], logprobs fp32 [rows], dist) where dist is the fp32 [rows, vocab]
     distribution drawn from (logq) when truncation was applied or ``need_dist``, else None.
+    ``truncating=False`` (the caller knows no row has 1 < top_k < vocab, top_p < 1 or min_p > 0)
+    skips the sort; ``None`` infers it from whether any of top_k/top_p/min_p was given.
     """
     rows, vocab = logits.shape
     device = logits.device
@@ -211,7 +213,8 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     lse = row_lse(stats)
     k, p, mp, need = truncation_params(rows, vocab, device, top_k, top_p, min_p)
     greedy = (k == 1).to(torch.int8)
-    truncating = top_k is not None or top_p is not None or min_p is not None
+    if truncating is None:
+        truncating = top_k is not None or top_p is not None or min_p is not None
     dist = None
     if truncating or need_dist:
         dist = logits.float() / temp[:, None] - lse[:, None]

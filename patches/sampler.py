@@ -1,12 +1,24 @@
-"""Logits and sampler seam (sglang/srt/layers/logits_processor.py, sglang/srt/layers/sampler.py).
+"""Logits and sampler seam (sglang/srt/layers/logits_processor.py, sglang/srt/layers/sampler.py,
+sglang/srt/layers/logprob_processor.py).
 
-Under an rl target SGLang computes lm_head as a bf16 matmul and returns a bf16
-``log_softmax(bf16(logits / T))`` (fp32 for all-greedy batches: a batch-composition
-dependence). The contract: logits = fp32 accumulator of the batch-invariant GEMM (never rounded
-to bf16), and the returned ``output_token_logprobs`` = fp32 ``log_softmax(logits / T)`` at the
-sampled token over the full vocabulary (``kernels/logprobs``), for greedy (T = 1) and sampled
-requests alike. The token choice stays SGLang's seeded sampler; only the reported log-prob is
-replaced, from a copy of the logits taken before the sampler's in-place scaling.
+Under an rl target SGLang computes lm_head as a bf16 matmul, *samples* from
+``log_softmax(bf16(bf16(logits) / T))`` and reports stock values for top-logprobs, token-id
+logprobs and input logprobs. The contract:
+
+- logits = the fp32 accumulator of the batch-invariant GEMM (never rounded to bf16);
+- each token is drawn from, and reported with, the fp32 ``log_softmax(logits / T)`` of
+  ``kernels/logprobs`` (``kernels/sampling.sample``: Gumbel-max with seeded per-position noise;
+  top_k / top_p / min_p truncate and renormalise that same distribution; greedy = argmax of the
+  fp32 logits). One statistics pass, one draw pass, no second log-softmax;
+- ``output_top_logprobs`` and ``output_token_ids_logprobs`` are read from the distribution the
+  token was drawn from (so the sampled token's entry equals its ``output_token_logprobs``);
+- ``input_token_logprobs`` / ``input_top_logprobs`` / ``input_token_ids_logprobs`` and the
+  prefill-only scoring path are the same kernel at T = 1 (SGLang's input log-probs are
+  untempered), i.e. the trainer's ``token_logprobs(..., temperature=1.0)``.
+
+Parameters that change the logits before the sampler (penalties, logit bias, grammars, custom
+processors, min_new_tokens) are refused per request before scheduling
+(``patches/request_contract.py``); the sampler raises if one still arrives.
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ from true_on_policy.patching import PatchError, replacing, wrap
 
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 SAMPLER = "sglang.srt.layers.sampler.Sampler.forward"
+LOGPROBS_ONLY = "sglang.srt.layers.sampler.Sampler.compute_logprobs_only"
+INPUT_LOGPROBS = "sglang.srt.layers.logprob_processor.InputLogprobProcessor._forward_by_chunk"
 
 
 def tpo_lm_head(self, hidden_states, lm_head, embedding_bias=None):
@@ -30,29 +44,129 @@ def tpo_lm_head(self, hidden_states, lm_head, embedding_bias=None):
     return matmul(x, lm_head.weight, out_dtype=torch.float32, role="lm_head")
 
 
-def _make_sampler(original):
-    def tpo_sampler_forward(self, logits_output, sampling_info, return_logprob, top_logprobs_nums,
-                            token_ids_logprobs, positions):
-        import torch
-        from true_on_policy.kernels.logprobs import token_logprobs
+def _check_batch(sampling_info) -> None:
+    bad = [name for name, on in (
+        ("custom logit processor", sampling_info.has_custom_logit_processor),
+        ("grammar", bool(getattr(sampling_info, "grammars", None))),
+        ("logit bias", getattr(sampling_info, "logit_bias", None) is not None),
+        ("sampling seed (deterministic inference is off)", sampling_info.sampling_seed is None),
+    ) if on]
+    if bad:
+        raise PatchError(f"{SAMPLER}: off-contract batch ({', '.join(bad)}); the request contract should have "
+                         "refused it before scheduling")
 
-        logits = logits_output.next_token_logits
-        kept = logits.clone() if return_logprob else None  # the sampler scales logits in place
-        ids = original(self, logits_output, sampling_info, return_logprob, top_logprobs_nums,
-                       token_ids_logprobs, positions)
-        if return_logprob:
-            if sampling_info.is_all_greedy or sampling_info.temperatures is None:
-                temps = torch.ones(kept.shape[0], dtype=torch.float32, device=kept.device)
-            else:
-                temps = sampling_info.temperatures.reshape(-1).to(torch.float32)
-            logits_output.next_token_logprobs = token_logprobs(kept, ids, temps, validate=False)
-        return ids
 
-    return tpo_sampler_forward
+def tpo_sampler_forward(self, logits_output, sampling_info, return_logprob, top_logprobs_nums,
+                        token_ids_logprobs, positions):
+    import torch
+    from true_on_policy.kernels.sampling import sample
+
+    _check_batch(sampling_info)
+    logits = logits_output.next_token_logits
+    vocab = logits.shape[1]
+    top_k = sampling_info.top_ks if sampling_info.need_top_k_sampling else None
+    truncating = bool(sampling_info.need_top_p_sampling or sampling_info.need_min_p_sampling)
+    if top_k is not None and not truncating:  # greedy rows set top_k = 1; only 1 < k < vocab truncates
+        truncating = bool(((top_k > 1) & (top_k < vocab)).any())
+    want_top = return_logprob and (any(x > 0 for x in top_logprobs_nums or ())
+                                   or any(x is not None for x in token_ids_logprobs or ()))
+    ids, lp, dist = sample(
+        logits, sampling_info.temperatures.reshape(-1), sampling_info.sampling_seed, positions,
+        top_k=top_k,
+        top_p=sampling_info.top_ps if truncating else None,
+        min_p=sampling_info.min_ps if truncating and sampling_info.need_min_p_sampling else None,
+        need_dist=want_top, truncating=truncating)
+    ids = ids.to(torch.int32)
+    if return_logprob:
+        if want_top:
+            result = self.output_logprob_processor.compute_logprobs(dist, top_logprobs_nums, token_ids_logprobs, ids)
+            result.token_logprobs = lp  # the same values as dist at ids (dist was clamped to finfo.min in place)
+            result.write_output_to(logits_output)
+        else:
+            logits_output.next_token_logprobs = lp
+    self._sync_token_ids_across_tp(ids, sampling_info)
+    return ids
+
+
+def tpo_compute_logprobs_only(self, logits_output, sampling_info, top_logprobs_nums, token_ids_logprobs):
+    """Prefill-only scoring: top / token-id log-probs from the contract's kernel at T = 1."""
+    from sglang.srt.layers.logprob_processor import (
+        LogprobResult,
+        get_token_ids_logprobs_batch_optimized,
+        get_top_logprobs,
+    )
+    from true_on_policy.kernels.sampling import log_softmax_rows
+
+    logits = logits_output.next_token_logits
+    needs_ids = any(t is not None and len(t) > 0 for t in token_ids_logprobs)
+    needs_top = any(x > 0 for x in top_logprobs_nums)
+    if logits is None or not (needs_ids or needs_top):
+        return
+    _check_batch(sampling_info)
+    logprobs = log_softmax_rows(logits, 1.0)
+    result = LogprobResult()
+    if needs_top:
+        result.top_logprobs_val, result.top_logprobs_idx = get_top_logprobs(logprobs, top_logprobs_nums,
+                                                                            no_copy_to_cpu=True)
+    if needs_ids:
+        result.token_ids_logprobs_val, result.token_ids_logprobs_idx = get_token_ids_logprobs_batch_optimized(
+            logprobs, token_ids_logprobs)
+    result.write_output_to(logits_output)
+
+
+def tpo_input_logprobs(self, pruned_states, sample_indices, input_logprob_indices, token_to_seq_idx, lm_head,
+                       get_logits_fn, logits_metadata, chunk_size):
+    """SGLang's chunked input log-prob loop with the contract's log-softmax (T = 1) in place of
+    ``torch.log_softmax``; chunking changes no bit (the kernel is row-independent)."""
+    import torch
+    from sglang.srt.layers.logprob_processor import (
+        LogprobResult,
+        get_token_ids_logprobs_chunk,
+        get_top_logprobs_chunk,
+    )
+    from true_on_policy.kernels.sampling import log_softmax_rows
+
+    total = pruned_states.shape[0]
+    n_chunks = (total + chunk_size - 1) // chunk_size
+    want_top, want_ids = logits_metadata.extend_return_top_logprob, logits_metadata.extend_token_ids_logprob
+    top_val, top_idx = ([], []) if want_top else (None, None)
+    ids_val, ids_idx = ([], []) if want_ids else (None, None)
+    split_top = split_ids = 0
+    token_lps, sampled = [], None
+    for i in range(n_chunks):
+        start, end = i * chunk_size, min((i + 1) * chunk_size, total)
+        in_chunk = (input_logprob_indices >= start) & (input_logprob_indices < end)
+        rows = input_logprob_indices[in_chunk] - start
+        where = torch.nonzero(in_chunk, as_tuple=True)[0]
+        logits = get_logits_fn(pruned_states[start:end], lm_head, logits_metadata, use_logits_buffer=n_chunks == 1)
+        if sampled is None:
+            sampled = torch.empty((sample_indices.shape[0], logits.shape[1]), dtype=logits.dtype, device=logits.device)
+        mine = (sample_indices >= start) & (sample_indices < end)
+        if mine.any():
+            sampled[mine] = logits[sample_indices[mine] - start]
+        lp = log_softmax_rows(logits[rows], 1.0)
+        del logits
+        seqs = slice(token_to_seq_idx[start], token_to_seq_idx[end - 1] + 1)
+        pruned = logits_metadata.extend_logprob_pruned_lens_cpu[seqs]
+        if want_top:
+            split_top = get_top_logprobs_chunk(lp, logits_metadata.top_logprobs_nums[seqs], pruned, top_val, top_idx,
+                                               split_top)
+        if want_ids:
+            split_ids = get_token_ids_logprobs_chunk(lp, logits_metadata.token_ids_logprobs[seqs], pruned, ids_val,
+                                                     ids_idx, split_ids)
+        tok = logits_metadata.extend_input_logprob_token_ids_gpu[where]
+        token_lps.append(lp[torch.arange(lp.shape[0], device=lp.device), tok])
+    return LogprobResult(token_logprobs=torch.cat(token_lps), top_logprobs_val=top_val, top_logprobs_idx=top_idx,
+                         token_ids_logprobs_val=ids_val, token_ids_logprobs_idx=ids_idx), sampled
 
 
 def apply(policy) -> PatchRecord:
-    reps = [wrap(LM_HEAD, replacing(tpo_lm_head)), wrap(SAMPLER, _make_sampler)]
+    reps = [wrap(LM_HEAD, replacing(tpo_lm_head)), wrap(SAMPLER, replacing(tpo_sampler_forward)),
+            wrap(LOGPROBS_ONLY, replacing(tpo_compute_logprobs_only)),
+            wrap(INPUT_LOGPROBS, replacing(tpo_input_logprobs))]
     return PatchRecord("sampler", [r.describe() for r in reps],
                        ["lm_head: fp32 logits from kernels.matmul",
-                        "output_token_logprobs: kernels.logprobs fp32 log_softmax(logits / T) at the sampled token"])
+                        "tokens drawn by kernels.sampling.sample from the fp32 log_softmax(logits / T) they are "
+                        "reported with (Gumbel-max, seeded per position; top_k/top_p/min_p on that distribution)",
+                        "top / token-id log-probs from the drawn distribution; input log-probs at T = 1 from the "
+                        "same kernel"])

@@ -53,10 +53,16 @@ def _register() -> None:
             for line in record.replacements:
                 logger.info("true-on-policy patch %s: %s", record.patch, line)
     else:
-        install_validation(policy)
-        from true_on_policy.patches import seeds
+        install_main_process(policy)
 
-        seeds.apply(policy)  # the tokenizer side lives in the launching process
+
+def install_main_process(policy) -> list:
+    """The launching process's patches: argument validation, the per-request contract and the
+    per-sample seeds (the tokenizer lives here). Idempotent; returns the PatchRecords."""
+    from true_on_policy.patches import request_contract, seeds
+
+    install_validation(policy)
+    return [request_contract.apply(policy), seeds.apply(policy)]
 
 
 def add_rl_target(name: str) -> None:

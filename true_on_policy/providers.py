@@ -21,6 +21,7 @@ from true_on_policy.kernels import matmul as _mm
 from true_on_policy.kernels import moe as _moe
 from true_on_policy.kernels import rmsnorm as _rms
 from true_on_policy.kernels import rope as _rope
+from true_on_policy.kernels import sampling as _smp
 from true_on_policy.kernels import tree_reduce as _tree
 
 PROVIDERS = ("triton", "reference")
@@ -91,7 +92,9 @@ def get(name: str) -> SimpleNamespace:
             rope=_rope.apply_rope_reference,
             attention=lambda *a: _ref_attention(*a, acc=F64),
             moe=lambda *a: _moe.moe_reference(*a, acc=F64),
-            logprobs=lambda lg, tok, t: _lp.token_logprobs_reference(lg, tok, t, acc=F64))
+            logprobs=lambda lg, tok, t: _lp.token_logprobs_reference(lg, tok, t, acc=F64),
+            truncated_logprobs=lambda lg, tok, t, k, p, mp: _smp.truncated_token_logprobs_reference(
+                lg, tok, t, k, p, mp, acc=F64))
     if name == "triton":
         return SimpleNamespace(
             name=name,
@@ -103,6 +106,7 @@ def get(name: str) -> SimpleNamespace:
             attention=_op(_triton_attention, _ref_attention),
             moe=_op(_moe.moe, _moe.moe_reference),
             logprobs=_op(lambda lg, tok, t: _lp.token_logprobs(lg, tok, t, validate=False),
-                         _lp.token_logprobs_reference))
+                         _lp.token_logprobs_reference),
+            truncated_logprobs=_op(_smp.truncated_token_logprobs, _smp.truncated_token_logprobs_reference))
     raise ValueError(f"unknown provider {name!r}; supported: {', '.join(PROVIDERS)}")
 

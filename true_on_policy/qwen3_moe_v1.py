@@ -53,6 +53,15 @@ NUMERICS = (
                "weighted sum over the k slots in slot order (slot 0 first) in fp32; EP gathers the k "
                "fp32 slot outputs (sum with zeros in non-owned slots, exact) first, so EP degree changes nothing",
                ("one rounding of the sum to bf16",)),
+    OpNumerics("sampling", ("sampler",), _K + "sampling", "fp32 logits, T, seed, position, top_k/top_p/min_p",
+               "fp64 noise and scores",
+               "Gumbel-max over the token_logprob values: u = (murmur3_32(seed, position, id) + 0.5) / 2^32, "
+               "g = -log(-log(u)) in fp64, token = argmax fp64(logq) + g, ties to the lowest id, 8 vocab shards "
+               "of 4096-wide chunks combined in order; greedy (top_k = 1) = argmax of the fp32 logits; "
+               "truncation: stable descending order, keep rank < top_k, exclusive fp64 cumsum <= top_p, "
+               "p >= min_p * p_max (a prefix), logq = fp32(fp64(logp) - log(fp64 kept mass))",
+               ("the reported log-prob is the logq value the draw used",
+                "input log-probs: token_logprob at T = 1 (untruncated)")),
     OpNumerics("token_logprob", ("sampler", "trainer loss"), _K + "logprobs", "fp32 logits", "fp32",
                "log_softmax(logits / T) over the full vocabulary: 8 virtual vocab shards, each max "
                "then sum of exp in fixed 4096 blocks; shard (max, sum) pairs combined in a fixed pairwise "
@@ -153,6 +162,11 @@ ARGS = (
     _only("enable_hierarchical_cache", "--enable-hierarchical-cache", _OFF, "not validated", "drop it"),
     _only("weight_cache_mode", "--weight-cache-mode", ("off",), "not validated", "off"),
     _only("forward_hooks", "--forward-hooks", (None,), "user hooks can change activations", "leave it unset"),
+    _only("enable_return_routed_experts", "--enable-return-routed-experts", _OFF,
+          "the contract's router bypasses SGLang's top-k, the only capture site: the ids would be missing",
+          "drop the flag (the trainer recomputes routing bitwise from the same weights)"),
+    _only("tokenizer_worker_num", "--tokenizer-worker-num", (1,),
+          "per-sample seeds are assigned in the one tokenizer process", "1"),
     _only("use_ray", "--use-ray", _OFF, "Ray's SchedulerActor never loads SGLang plugins, so the overlay "
           "would be silently off", "run TrueOnPolicyEngine inside your Ray actor"),
 )

@@ -204,22 +204,48 @@ def right_pad(seqs, device=None, pad_id: int = 0):
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   min_p: float | None = None) -> torch.Tensor:
     """fp32 [batch, seq-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) under the contract
     (fp32 log-softmax of logits / T over the full vocabulary). Positions past a row's length
-    (padding) are computed but meaningless. Gradients flow when the model requires them."""
+    (padding) are computed but meaningless. Gradients flow when the model requires them.
+
+    ``top_k`` / ``top_p`` / ``min_p`` (as the rollout sampled with them, e.g. from the model's
+    generation_config.json): the log-prob under the truncated, renormalised distribution the
+    rollout drew each token from (``kernels/sampling.truncate``), bitwise the rollout's report.
+    ``top_k=1`` is greedy and reports the untruncated log-prob, as the rollout does."""
     state = getattr(model, _STATE, None)
     if state is None:
         raise TrainerPatchError("token_logprobs needs a patched model: call patch_hf_model(model) first")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise TrainerPatchError(f"input_ids must be [batch, seq >= 2], got {tuple(input_ids.shape)}")
-    if not temperature > 0:
-        raise TrainerPatchError(f"temperature must be > 0, got {temperature}")
+    problems = _sampling_problems(temperature, top_k, top_p, min_p)
+    if problems:
+        raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
     if attention_mask is not None:
         _check_right_padded(attention_mask)
     b, s = input_ids.shape
     pos = torch.arange(s, device=input_ids.device).expand(b, s)
     logits = model(input_ids=input_ids, position_ids=pos, use_cache=False).logits  # fp32 [B, S, V]
     ops = state["ops"]
-    lp = ops.logprobs(logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1), float(temperature))
+    rows, toks = logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1)
+    if top_k is None and top_p is None and min_p is None:
+        lp = ops.logprobs(rows, toks, float(temperature))
+    else:
+        lp = ops.truncated_logprobs(rows, toks, float(temperature), top_k, top_p, min_p)
     return lp.view(b, s - 1)
+
+
+def _sampling_problems(temperature, top_k, top_p, min_p) -> list[str]:
+    import math
+
+    out = []
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        out.append(f"temperature must be a finite number > 0, got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and (top_k >= 1 or top_k == -1)):
+        out.append(f"top_k must be -1 (all) or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        out.append(f"top_p must be in (0, 1], got {top_p!r}")
+    if min_p is not None and not (isinstance(min_p, (int, float)) and 0.0 <= min_p <= 1.0):
+        out.append(f"min_p must be in [0, 1], got {min_p!r}")
+    return out

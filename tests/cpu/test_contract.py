@@ -10,7 +10,7 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "efc8e1edd9a4c07958ea26bb351fc03e7cad9ec962d076918a6e231328910694"
+GOLDEN_FINGERPRINT = "732378fb61f95becfb46657115266f44f3fbd221f23f6ae3950ea57142b37669"
 
 
 def test_round_trip_is_identity():

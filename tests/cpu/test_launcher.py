@@ -7,7 +7,7 @@ import sys
 
 from helpers import ROOT
 
-FP = "efc8e1edd9a4c07958ea26bb351fc03e7cad9ec962d076918a6e231328910694"
+FP = "732378fb61f95becfb46657115266f44f3fbd221f23f6ae3950ea57142b37669"
 
 
 def _launch(*args, env_extra=None):

@@ -40,7 +40,7 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 16, lines
+assert len(lines) == len(patching.applied()) == 18, lines
 assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'communicator', 'rope', 'attention_backend',
                                         'sampler', 'qwen3_moe', 'cuda_graph']
 assert all(': ' in l and ' -> ' in l for l in lines)
@@ -126,6 +126,30 @@ for f in (c.attention_tensor_model_parallel_all_reduce, c.attention_tensor_model
     else:
         raise AssertionError(f'{f} accepted an unreduced tensor')
 patches.undo_all()
+print('ok')
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_main_process_patches_installed_where_looked_up_and_undone():
+    """The launching process's seams (per-request contract, seeds) on the real TokenizerManager."""
+    code = """
+from true_on_policy import patching, plugin
+from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract import get_contract
+from sglang.srt.managers.tokenizer_manager import TokenizerManager as TM
+before = {n: TM.__dict__[n] for n in ('_create_tokenized_object', '_send_one_request', '_send_batch_request',
+                                       '_wait_one_response')}
+records = plugin.install_main_process(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'launcher'))
+assert [r.patch for r in records] == ['request_contract', 'seeds']
+assert all(TM.__dict__[n] is not f and TM.__dict__[n].__wrapped__ is f for n, f in before.items())
+import inspect
+assert inspect.isasyncgenfunction(TM.__dict__['_wait_one_response'])
+assert plugin.install_main_process(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'launcher'))
+for t in list(patching.applied()):
+    patching.undo(t)
+assert all(TM.__dict__[n] is f for n, f in before.items())
 print('ok')
 """
     r = run_py(code)

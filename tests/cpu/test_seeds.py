@@ -1,41 +1,71 @@
-"""Per-sample seeds on the real GenerateReqInput (CPU): n samples of a group get distinct,
-reproducible seeds; n == 1 and explicit per-request seeds are left alone."""
+"""Per-sample seeds (CPU, on SGLang's real SamplingParams / TokenizedGenerateReqInput): an n > 1
+group gets distinct seeds reproducible from its base; unseeded requests get distinct seeds from
+the server RNG (reproducible from --random-seed); explicit seeds are kept; the seed used is
+reported; the shared SamplingParams of SGLang's n > 1 copies is never mutated."""
 
-from helpers import run_py
+import copy
 
-CODE = r"""
-from true_on_policy.patches import seeds
-from true_on_policy.policy import RuntimePolicy
-from true_on_policy.contract import get_contract
-from sglang.srt.managers.io_struct import GenerateReqInput
-
-def expand(**kw):
-    r = GenerateReqInput(**kw)
-    r.normalize_batch_and_arguments()
-    return r
-
-stock = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4, "temperature": 1.0})
-assert all("sampling_seed" not in p for p in stock.sampling_params)  # stock: every sample gets 42 later
-seeds.apply(RuntimePolicy(get_contract("qwen3_moe_true_on_policy_v1"), "launcher"))
-import os
-off = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4})
-assert all("sampling_seed" not in p for p in off.sampling_params)  # overlay not enabled: inert
-os.environ["SGLANG_TRUE_ON_POLICY"] = "1"
-r = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4, "temperature": 1.0})
-s = [p["sampling_seed"] for p in r.sampling_params]
-assert len(set(s)) == 4 and s == [seeds.derive_seed(42, j) for j in range(4)], s
-again = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4, "temperature": 1.0})
-assert [p["sampling_seed"] for p in again.sampling_params] == s  # reproducible
-based = expand(input_ids=[[1, 2, 3]], sampling_params={"n": 4, "sampling_seed": 7})
-assert [p["sampling_seed"] for p in based.sampling_params] == [seeds.derive_seed(7, j) for j in range(4)]
-two = expand(input_ids=[[1, 2], [3, 4]], sampling_params=[{"n": 2}, {"n": 2}])
-assert [p["sampling_seed"] for p in two.sampling_params] == [seeds.derive_seed(42, j) for j in (0, 0, 1, 1)]
-one = expand(input_ids=[[1, 2, 3]], sampling_params={"temperature": 1.0})
-assert "sampling_seed" not in (one.sampling_params if isinstance(one.sampling_params, dict) else one.sampling_params[0])
-print("seeds-ok")
-"""
+from sglang.srt.sampling.sampling_params import SamplingParams
+from true_on_policy.patches.seeds import SeedAssigner, derive_seed
 
 
-def test_group_samples_get_distinct_reproducible_seeds():
-    r = run_py(CODE)
-    assert r.returncode == 0 and "seeds-ok" in r.stdout, r.stderr[-3000:]
+class _Tok:
+    def __init__(self, rid, **sp):
+        self.rid = rid
+        self.sampling_params = SamplingParams(**sp)
+
+
+def _group(a, logical, n, seed=None, shared=None):
+    """SGLang 0.5.17's n > 1 path: one prefix pass (max_new_tokens 0), then n shallow copies."""
+    base = shared or _Tok(logical, n=n, sampling_seed=seed)
+    warm = copy.copy(base)
+    warm.sampling_params = copy.copy(base.sampling_params)
+    warm.sampling_params.max_new_tokens = 0
+    warm.rid = f"{logical}_warm"
+    a.assign(warm, logical)
+    out = []
+    for j in range(n):
+        t = copy.copy(base)
+        t.rid = f"{logical}_{j}"
+        a.assign(t, logical)
+        out.append(t.sampling_params.sampling_seed)
+    assert base.sampling_params.sampling_seed == seed  # the shared object is untouched
+    return out
+
+
+def test_group_seeds_distinct_and_reproducible_from_the_base():
+    a = SeedAssigner(random_seed=0)
+    s = _group(a, "r1", 4, seed=7)
+    assert s == [derive_seed(7, j) for j in range(4)] and len(set(s)) == 4
+    assert _group(SeedAssigner(random_seed=123), "r2", 4, seed=7) == s  # a resent base replays the group
+    assert a.reported("r1_2") == s[2]
+    a.done("r1_2")
+    assert a.reported("r1_2") is None
+    assert not a.groups  # the group's state is gone after its n samples
+
+
+def test_unseeded_requests_get_distinct_seeds_from_the_server_rng():
+    a = SeedAssigner(random_seed=5)
+    toks = [_Tok(f"c{i}", temperature=1.0) for i in range(8)]
+    for t in toks:
+        a.assign(t, None)
+    seeds = [t.sampling_params.sampling_seed for t in toks]
+    assert len(set(seeds)) == 8 and all(0 <= x < 2**63 for x in seeds)
+    b = SeedAssigner(random_seed=5)
+    again = [_Tok(f"c{i}") for i in range(8)]
+    for t in again:
+        b.assign(t, None)
+    assert [t.sampling_params.sampling_seed for t in again] == seeds  # --random-seed reproduces the server
+    c = SeedAssigner(random_seed=6)
+    other = _Tok("x")
+    c.assign(other, None)
+    assert other.sampling_params.sampling_seed != seeds[0]
+    unseeded_group = _group(SeedAssigner(random_seed=5), "g", 3)
+    assert len(set(unseeded_group)) == 3
+
+
+def test_explicit_seed_kept_for_a_single_request():
+    a = SeedAssigner(random_seed=0)
+    t = _Tok("one", sampling_seed=99)
+    a.assign(t, None)
+    assert t.sampling_params.sampling_seed == 99 and a.reported("one") == 99
