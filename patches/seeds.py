@@ -12,7 +12,8 @@ seed here, at the one place all entries meet (``_send_one_request`` / ``_send_ba
 - sample j (0-based, in the order SGLang sends them) of an n > 1 request gets
   ``derive_seed(base, j)``, base = its ``sampling_seed`` or a fresh server seed.
 
-Every response reports the seed its tokens were drawn with in ``meta_info["sampling_seed"]``;
+Every response reports the seed its tokens were drawn with in ``meta_info["sampling_seed"]`` and
+the resolved temperature / top_k / top_p / min_p in ``meta_info["sampling_params_used"]``;
 resending that seed with n = 1 replays the sample exactly, and resending the base with the same n
 replays the group. Several tokenizer workers would each need this state: the contract refuses
 ``--tokenizer-worker-num > 1``.
@@ -41,13 +42,23 @@ def derive_seed(base: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << SEED_BITS) - 1)
 
 
+def used(sp) -> dict:
+    """The resolved parameters the sampler draws with (after generation_config / preferred
+    defaults and SGLang's normalisation: T = 0 is T = 1 with top_k = 1): what the trainer's
+    ``token_logprobs(temperature=, top_k=, top_p=, min_p=)`` needs to reproduce the log-probs."""
+    from sglang.srt.sampling.sampling_params import TOP_K_ALL
+
+    return {"temperature": sp.temperature, "top_k": -1 if sp.top_k >= TOP_K_ALL else sp.top_k,
+            "top_p": sp.top_p, "min_p": sp.min_p}
+
+
 class SeedAssigner:
     """Seeds for the requests one tokenizer manager sends (thread-safe; one per manager)."""
 
     def __init__(self, random_seed):
         self.rng = random.Random(f"true_on_policy:{random_seed}")
         self.groups: dict[str, list[int]] = {}  # logical rid -> [base, next sample index]
-        self.by_rid: dict[str, int] = {}  # rid -> seed used, until its response is complete
+        self.by_rid: dict[str, dict] = {}  # rid -> what its tokens were drawn with, until its response is complete
         self.lock = threading.Lock()
 
     def fresh(self) -> int:
@@ -71,9 +82,12 @@ class SeedAssigner:
                 seed = sp.sampling_seed if sp.sampling_seed is not None else self.fresh()
             tok.sampling_params = copy.copy(sp)  # n > 1 copies share one SamplingParams
             tok.sampling_params.sampling_seed = seed
-            self.by_rid[tok.rid] = seed
+            self.by_rid[tok.rid] = {"sampling_seed": seed, "sampling_params_used": used(tok.sampling_params)}
 
     def reported(self, rid) -> int | None:
+        return (self.by_rid.get(rid) or {}).get("sampling_seed")
+
+    def meta(self, rid) -> dict | None:
         return self.by_rid.get(rid)
 
     def done(self, rid) -> None:
@@ -118,9 +132,9 @@ def _wait_one(original):
         rid = obj.rid
         try:
             async for out in original(self, obj, request):
-                seed = assigner(self).reported(rid) if _enabled() else None
-                if seed is not None and isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
-                    out["meta_info"]["sampling_seed"] = seed
+                meta = assigner(self).meta(rid) if _enabled() else None
+                if meta is not None and isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
+                    out["meta_info"].update(meta)
                 yield out
         finally:
             if _enabled():

@@ -69,3 +69,13 @@ def test_explicit_seed_kept_for_a_single_request():
     t = _Tok("one", sampling_seed=99)
     a.assign(t, None)
     assert t.sampling_params.sampling_seed == 99 and a.reported("one") == 99
+
+
+def test_resolved_parameters_are_reported():
+    a = SeedAssigner(random_seed=0)
+    t = _Tok("g", temperature=0.0, top_p=0.8)
+    a.assign(t, None)
+    assert a.meta("g")["sampling_params_used"] == {"temperature": 1.0, "top_k": 1, "top_p": 0.8, "min_p": 0.0}
+    u = _Tok("u")
+    a.assign(u, None)
+    assert a.meta("u")["sampling_params_used"]["top_k"] == -1
