@@ -159,7 +159,7 @@ def test_every_returned_logprob_is_the_trainers(server, trainer, gpu_evidence):
         mine, full = _trainer_lps(trainer, PROMPT, toks, used)
         assert torch.equal(torch.tensor(lps, dtype=torch.float32), mine), (sp, lps, mine.tolist())
         # the sampled token's entry in output_top_logprobs (when listed) is its output_token_logprob
-        for (lp, tok), top in zip(x["meta_info"]["output_token_logprobs"], x["meta_info"]["output_top_logprobs"],
+        for (lp, tok, *_), top in zip(x["meta_info"]["output_token_logprobs"], x["meta_info"]["output_top_logprobs"],
                                   strict=True):
             listed = {t: v for v, t, *_ in top}
             if tok in listed:
