@@ -36,6 +36,7 @@ def _start_server(tmp_path, *extra):
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
+            _kill_group(proc)  # children it may have left
             log.close()
             pytest.fail("server exited: " + (tmp_path / "server.log").read_text()[-4000:])
         try:
