@@ -1,8 +1,14 @@
-"""``python -m launch.server [--true-on-policy [--true-on-policy-contract NAME] [--dry-run]] <sglang flags>``
+"""``python -m launch.server [--true-on-policy [--true-on-policy-contract NAME] [--dry-run]
+[--true-on-policy-keep-manifests]] <sglang flags>``
 
 Thin by design: strip our flags, build and validate the launch plan, export the environment,
 add the manifest route, hand the resolved arguments to SGLang's own ``launch_server``. Without
 ``--true-on-policy`` this is exactly ``python -m sglang.launch_server`` (the overlay is inert).
+
+Our flags: ``--true-on-policy`` turns the overlay on; ``--true-on-policy-contract NAME`` picks the
+contract; ``--dry-run`` prints the validated plan (secrets as ``<redacted>``) and exits;
+``--true-on-policy-keep-manifests`` keeps the run's manifest folder after exit (default: removed;
+also ``TRUE_ON_POLICY_KEEP_MANIFESTS=1``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ MANIFEST_ROUTE = "/true_on_policy/manifest"
 
 
 def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
-    own = {"true_on_policy": False, "contract": DEFAULT_CONTRACT, "dry_run": False}
+    own = {"true_on_policy": False, "contract": DEFAULT_CONTRACT, "dry_run": False, "keep_manifests": False}
     rest, i = [], 0
     while i < len(argv):
         a = argv[i]
@@ -27,6 +33,8 @@ def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
             own["true_on_policy"] = True
         elif a == "--dry-run":
             own["dry_run"] = True
+        elif a == "--true-on-policy-keep-manifests":
+            own["keep_manifests"] = True
         elif a == "--true-on-policy-contract":
             if i + 1 >= len(argv):
                 raise SystemExit("--true-on-policy-contract needs a contract name")
@@ -40,8 +48,14 @@ def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def add_manifest_route(app, contract) -> None:
+    """``GET /true_on_policy/manifest`` at SGLang's admin auth level (``AuthLevel.ADMIN_OPTIONAL``,
+    read by SGLang's own API-key middleware): the admin key when ``--admin-api-key`` is set, else
+    the ``--api-key`` when set, else open. The manifests are redacted where they are written."""
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
     from true_on_policy import manifest
 
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def true_on_policy_manifest():
         return {"contract": contract.name, "fingerprint": contract.fingerprint,
                 "manifests": manifest.read_all()}
@@ -49,41 +63,45 @@ def add_manifest_route(app, contract) -> None:
     app.add_api_route(MANIFEST_ROUTE, true_on_policy_manifest, methods=["GET"])
 
 
-def _verifier(contract, server_args):
+def _verifier(contract, server_args, folder):
     from sglang.srt.utils import kill_process_tree
 
     from true_on_policy import manifest
 
     def verify() -> bool:
         expected = server_args.tp_size * server_args.pp_size
-        problems = manifest.check_schedulers(manifest.read_all(), expected, contract.fingerprint)
+        problems = manifest.check_schedulers(manifest.read_all(folder), expected, contract.fingerprint)
         for p in problems:
             logger.error("true-on-policy: %s", p)
         if problems:
             kill_process_tree(os.getpid())
             return False
-        logger.info("true-on-policy: %d scheduler manifest(s) verified (%s)", expected, contract.fingerprint[:12])
+        logger.info("true-on-policy: %d scheduler manifest(s) verified (%s) in %s", expected,
+                    contract.fingerprint[:12], folder)
         return True
 
     return verify
 
 
-def run_true_on_policy(plan) -> None:
+def run_true_on_policy(plan, keep_manifests: bool = False) -> None:
     from sglang.srt.entrypoints import http_server
     from sglang.srt.utils import kill_process_tree
 
-    from true_on_policy import manifest
+    from true_on_policy import manifest, reaper
     from true_on_policy.launch_plan import apply_env, exported_env
     from true_on_policy.manifest import Manifest
 
+    keep = keep_manifests or env.KEEP_MANIFESTS.is_true()
     folder = manifest.new_run_dir()
-    apply_env(plan, folder)
-    Manifest(role="launcher", contract=plan.contract.name, fingerprint=plan.contract.fingerprint,
-             env_set=exported_env(plan), extra={"argv": plan.argv}).write(folder)
-    add_manifest_route(http_server.app, plan.contract)
-    verify = _verifier(plan.contract, plan.server_args)
-    warmup = http_server._execute_server_warmup
     try:  # --use-ray is refused by the contract (Ray's scheduler actors never load plugins)
+        if not keep:  # SGLang's shutdown SIGKILLs this process: the finally below may never run
+            reaper.watch(folder)
+        apply_env(plan, folder)
+        Manifest(role="launcher", contract=plan.contract.name, fingerprint=plan.contract.fingerprint,
+                 env_set=exported_env(plan), extra={"argv": plan.argv}).write(folder)
+        add_manifest_route(http_server.app, plan.contract)
+        verify = _verifier(plan.contract, plan.server_args, folder)
+        warmup = http_server._execute_server_warmup
         http_server.launch_server(
             plan.server_args,
             execute_warmup_func=lambda sa: verify() and warmup(sa),
@@ -91,6 +109,7 @@ def run_true_on_policy(plan) -> None:
         )
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+        manifest.remove_run_dir(folder, keep=keep)
 
 
 def run_stock(argv: list[str]) -> None:
@@ -139,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --true-on-policy needs an NVIDIA GPU with CUDA; none is visible here "
               "(use --dry-run to check a configuration without one)", file=sys.stderr)
         return 1
-    run_true_on_policy(plan)
+    run_true_on_policy(plan, keep_manifests=own["keep_manifests"])
     return 0
 
 

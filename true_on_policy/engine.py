@@ -9,6 +9,10 @@ overlay under the same contract fingerprint.
     with TrueOnPolicyEngine(model_path=..., tp_size=1) as eng:
         out = eng.generate(input_ids=[[1, 2, 3]], sampling_params={"temperature": 1.0})
         eng.manifests()
+
+The manifests live in a private folder (``manifest_dir``, mode 0700) that ``shutdown`` -- and a
+refused or failed start -- removes, as does a detached watcher if this process dies first
+(``true_on_policy.reaper``); ``keep_manifests=True`` or ``TRUE_ON_POLICY_KEEP_MANIFESTS=1`` keeps it.
 """
 
 from __future__ import annotations
@@ -17,24 +21,28 @@ from true_on_policy import DEFAULT_CONTRACT, env
 
 
 class TrueOnPolicyEngine:
-    def __init__(self, *, contract: str = DEFAULT_CONTRACT, **sglang_kwargs):
-        from true_on_policy import manifest
+    def __init__(self, *, contract: str = DEFAULT_CONTRACT, keep_manifests: bool = False, **sglang_kwargs):
+        from true_on_policy import manifest, reaper
         from true_on_policy.contract import get_contract
         from true_on_policy.launch_plan import apply_env, build_plan_from_kwargs, exported_env
 
         self.contract = get_contract(contract)
         sglang_kwargs.setdefault("log_level", "error")
         self.plan = build_plan_from_kwargs(self.contract, sglang_kwargs)
+        self.keep_manifests = keep_manifests or env.KEEP_MANIFESTS.is_true()
+        self.engine, self._previous_env = None, {}
         self.manifest_dir = manifest.new_run_dir()
-        self._previous_env = apply_env(self.plan, self.manifest_dir)
-        manifest.Manifest(role="engine", contract=self.contract.name, fingerprint=self.contract.fingerprint,
-                          env_set=exported_env(self.plan)).write(self.manifest_dir)
-        import sglang
-
         try:
+            if not self.keep_manifests:
+                reaper.watch(self.manifest_dir)
+            self._previous_env = apply_env(self.plan, self.manifest_dir)
+            manifest.Manifest(role="engine", contract=self.contract.name, fingerprint=self.contract.fingerprint,
+                              env_set=exported_env(self.plan)).write(self.manifest_dir)
+            import sglang
+
             self.engine = sglang.Engine(server_args=self.plan.server_args)
         except BaseException:
-            env.restore(self._previous_env)
+            self.shutdown()
             raise
         sa = self.plan.server_args
         problems = manifest.check_schedulers(self.manifests(), sa.tp_size * sa.pp_size, self.contract.fingerprint)
@@ -57,11 +65,17 @@ class TrueOnPolicyEngine:
         return manifest.read_all(self.manifest_dir)
 
     def shutdown(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-            self.engine = None
-        env.restore(self._previous_env)
+        """Stop SGLang, restore the environment, remove the manifest folder (unless kept). Idempotent."""
+        from true_on_policy import manifest
+
+        try:
+            if self.engine is not None:
+                engine, self.engine = self.engine, None
+                engine.shutdown()
+        finally:
+            env.restore(self._previous_env)
+            self._previous_env = {}
+            manifest.remove_run_dir(self.manifest_dir, keep=self.keep_manifests)
 
     def __enter__(self):
         return self

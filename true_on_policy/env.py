@@ -35,6 +35,10 @@ MANIFEST_DIR = EnvVar(
     "SGLANG_TRUE_ON_POLICY_MANIFEST_DIR",
     "folder where every overlay process writes its manifest (one JSON file per process)",
 )
+KEEP_MANIFESTS = EnvVar(
+    "TRUE_ON_POLICY_KEEP_MANIFESTS",
+    "1 keeps each run's manifest folder after the server or engine exits (default: removed)",
+)
 CACHE_DIR = EnvVar(
     "TRUE_ON_POLICY_CACHE",
     "where the embedded tiny Qwen3-MoE checkpoint is built (default ~/.cache/true_on_policy)",

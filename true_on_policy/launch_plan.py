@@ -24,6 +24,7 @@ from true_on_policy.policy import (
     check_versions,
     member,
 )
+from true_on_policy.redact import redact, redact_text
 
 
 @dataclass
@@ -36,8 +37,9 @@ class LaunchPlan:
     env: dict = field(default_factory=dict)
 
     def to_json_dict(self) -> dict:
+        """The plan as printed by ``--dry-run``: every secret replaced by ``<redacted>``."""
         sa = self.server_args
-        return {
+        return redact({
             "contract": self.contract.name,
             "fingerprint": self.contract.fingerprint,
             "argv": self.argv,
@@ -46,13 +48,18 @@ class LaunchPlan:
             "model_path": sa.model_path,
             "embedded_model": self.embedded_model,
             "resolved": {r.dest: getattr(sa, r.dest, None) for r in self.contract.args},
-        }
+        })
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # "unrecognized arguments: --api-keyy SECRET" must not print the value
+        super().error(redact_text(message))
 
 
 def sglang_parser() -> argparse.ArgumentParser:
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(prog="python -m launch.server")
+    parser = _Parser(prog="python -m launch.server")
     ServerArgs.add_cli_args(parser)
     return parser
 

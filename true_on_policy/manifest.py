@@ -4,12 +4,20 @@ The launcher (and the Python engine) create the folder and export it; every sche
 writes ``scheduler-tp<r>-pp<r>-ep<r>-<pid>.json`` once its worker is built, the parent writes
 ``<role>-<pid>.json``. The HTTP route ``GET /true_on_policy/manifest`` and
 ``TrueOnPolicyEngine.manifests()`` read them back.
+
+Every record is redacted where it is built (``Manifest.to_dict``: argv, environment, anything in
+``extra``), so what is written, served or embedded in evidence holds no secret. The folder is
+private to the user (0700), each file too (0600), and the launcher and the engine remove the
+folder when they exit unless asked to keep it (``remove_run_dir``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import shutil
 import socket
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -17,6 +25,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from true_on_policy import env
+from true_on_policy.redact import redact
+
+logger = logging.getLogger("true_on_policy")
+RUN_DIR_PREFIX = "true_on_policy-manifests-"
 
 
 def package_versions() -> dict[str, str | None]:
@@ -50,7 +62,8 @@ class Manifest:
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The record as written and served: every secret replaced by ``<redacted>``."""
+        return redact(asdict(self))
 
     def filename(self) -> str:
         r = self.ranks
@@ -62,15 +75,44 @@ class Manifest:
         if not folder:
             return None
         path = Path(folder) / self.filename()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True, default=str))
-        tmp.replace(path)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=True, default=str)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)  # created 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         return path
 
 
 def new_run_dir() -> str:
-    return tempfile.mkdtemp(prefix="true_on_policy-manifests-")
+    """A fresh folder for one run's manifests, private to the user (mkdtemp: mode 0700)."""
+    folder = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
+    logger.info("true-on-policy: manifests of this run in %s", folder)
+    return folder
+
+
+def remove_run_dir(folder: str | os.PathLike | None, keep: bool = False) -> bool:
+    """Remove a run's manifest folder when the server or engine exits; True when it was removed.
+
+    Kept when ``keep`` or ``TRUE_ON_POLICY_KEEP_MANIFESTS=1``. Refuses (ValueError) a folder that
+    ``new_run_dir`` did not make, rather than delete a path it does not own.
+    """
+    if not folder:
+        return False
+    if not Path(folder).name.startswith(RUN_DIR_PREFIX):
+        raise ValueError(f"not removing {folder}: not a manifest folder made by new_run_dir "
+                         f"(its name starts with {RUN_DIR_PREFIX})")
+    if keep or env.KEEP_MANIFESTS.is_true():
+        logger.info("true-on-policy: manifests kept in %s", folder)
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    logger.info("true-on-policy: manifest folder %s removed", folder)
+    return not Path(folder).exists()
 
 
 def read_all(folder: str | os.PathLike | None = None) -> list[dict]:

@@ -32,8 +32,11 @@ def register() -> None:
     try:
         _register()
     except Exception as e:  # noqa: BLE001 - re-raised past load_plugins' `except Exception`
-        logger.critical("true-on-policy overlay failed to load: %s", e)
-        raise OverlayAbort(f"true-on-policy overlay failed to load: {e}") from e
+        from true_on_policy.redact import redact_text
+
+        why = redact_text(str(e))  # an SGLang error may quote the arguments it refused
+        logger.critical("true-on-policy overlay failed to load: %s", why)
+        raise OverlayAbort(f"true-on-policy overlay failed to load: {why}") from e
 
 
 def process_role() -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from true_on_policy import env
 from true_on_policy.contract import Contract, get_contract
+from true_on_policy.redact import redact_text
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class PolicyError(ValueError):
     def __init__(self, contract: str, violations: list[Violation]):
         self.contract = contract
         self.violations = list(violations)
-        lines = "\n".join(f"  - {v}" for v in self.violations)
+        lines = redact_text("\n".join(f"  - {v}" for v in self.violations))
         super().__init__(
             f"true-on-policy contract {contract}: {len(self.violations)} violation(s); "
             f"nothing was started:\n{lines}"

@@ -11,16 +11,19 @@ password (and a token-like user) of any URL with credentials (``scheme://user:pa
 replaced, in any string.
 
 Whole words only, on purpose: ``--max-total-tokens``, ``--tokenizer-path`` and
-``--kv-cache-dtype`` stay readable.
+``--kv-cache-dtype`` stay readable. When in doubt it hides more, never less: a whole value under a
+secret name (a list, a nested mapping) is hidden, and an object that is not plain JSON is turned
+into its redacted ``str``.
 
-Apply ``redact`` where a record is built (``LaunchPlan.to_json_dict``, ``Manifest.to_dict``,
-``provenance.write_evidence``), never at each printer.
+Apply ``redact`` where a record is built (``LaunchPlan.to_json_dict``, ``Manifest.to_dict``),
+never at each printer.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
 
 REDACTED = "<redacted>"
 SECRET_WORDS = frozenset({"key", "keys", "apikey", "token", "secret", "secrets", "password", "passwords",
@@ -28,11 +31,15 @@ SECRET_WORDS = frozenset({"key", "keys", "apikey", "token", "secret", "secrets",
 SECRET_NAMES = frozenset({"api_key", "admin_api_key"})  # SGLang's own (also caught by the words)
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_URL_CRED = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s/:@]*)(?::(?P<pw>[^\s/@]*))?@")
-# --flag=value or --flag value inside one command-line string
-_FLAG_IN_TEXT = re.compile(r"(?P<flag>--?[A-Za-z0-9][A-Za-z0-9_.\-]*)(?P<sep>=|\s+)(?P<value>\"[^\"]*\"|'[^']*'|\S+)")
-# NAME=value inside a string (an env assignment on a command line)
-_ASSIGN_IN_TEXT = re.compile(r"(?<![\w-])(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>\"[^\"]*\"|'[^']*'|\S+)")
+_URL_CRED = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s/:@]*)(?::(?P<pw>[^\s/]*))?@")
+_QUOTED = r"\"[^\"]*\"|'[^']*'"
+# --flag=value or --flag value (a shell command line)
+_FLAG_SHELL = re.compile(rf"(?<![\w-])(?P<flag>--?[A-Za-z][\w.\-]*)(?P<sep>=|\s+)(?P<value>{_QUOTED}|\S+)")
+# '--flag', 'value' (a list's repr or JSON)
+_FLAG_LIST = re.compile(rf"(?<![\w-])(?P<flag>--?[A-Za-z][\w.\-]*)(?P<sep>[\"']\s*,\s*)(?P<value>{_QUOTED}|[^\s,\]\)}}]+)")
+# NAME=value, name='value' (a repr), "name": "value" (JSON, a dict's repr)
+_ASSIGN = re.compile(rf"(?<![\w.\-])(?P<q>[\"']?)(?P<name>[A-Za-z_][\w.\-]*)(?P=q)(?P<sep>\s*[=:]\s*)(?P<value>{_QUOTED}|\S+)")
+_UNSET_TEXT = frozenset({"", "None", "null", "False", "false", "''", '""'})
 
 
 def words(name: str) -> list[str]:
@@ -48,7 +55,7 @@ def is_secret_name(name) -> bool:
 
 
 def _unset(value) -> bool:
-    return value is None or value is False or value == "" or value == [] or value == ()
+    return value is None or value is False or value == "" or value == [] or value == () or value == {}
 
 
 def redact_value(value):
@@ -56,9 +63,14 @@ def redact_value(value):
     return value if _unset(value) else REDACTED
 
 
+def _is_secret_flag(arg) -> bool:
+    return isinstance(arg, str) and arg.startswith("-") and "=" not in arg and is_secret_name(arg)
+
+
 def redact_text(text: str) -> str:
-    """A free-form string (a command line, a URL, a log line): URL passwords, ``--secret-flag
-    value`` / ``--secret-flag=value`` and ``SECRET_NAME=value`` replaced."""
+    """A free-form string (a command line, a URL, a log line, a repr): URL passwords,
+    ``--secret-flag value``, ``--secret-flag=value``, ``'--secret-flag', 'value'``,
+    ``SECRET_NAME=value`` and ``"secret_name": "value"`` replaced."""
     if not isinstance(text, str) or not text:
         return text
 
@@ -68,58 +80,66 @@ def redact_text(text: str) -> str:
             return f"{m.group('scheme')}{REDACTED}@" if user else m.group(0)
         return f"{m.group('scheme')}{user}:{REDACTED}@"
 
+    def _flag(m):
+        value = m.group("value")
+        if not is_secret_name(m.group("flag")) or value == REDACTED or (m.group("sep") != "=" and value.startswith("-")):
+            return m.group(0)  # not secret, already hidden, or the next token is another flag
+        return f"{m.group('flag')}{m.group('sep')}{REDACTED}"
+
+    def _assign(m):
+        value = m.group("value")
+        bare = value.rstrip(",;)]}").strip("'\"")
+        if not is_secret_name(m.group("name")) or bare in _UNSET_TEXT or bare == REDACTED:
+            return m.group(0)
+        return f"{m.group('q')}{m.group('name')}{m.group('q')}{m.group('sep')}{REDACTED}"
+
     out = _URL_CRED.sub(_url, text)
-    out = _FLAG_IN_TEXT.sub(lambda m: (f"{m.group('flag')}{m.group('sep')}{REDACTED}"
-                                       if is_secret_name(m.group("flag")) and not m.group("value").startswith("-")
-                                       else m.group(0)), out)
-    return _ASSIGN_IN_TEXT.sub(lambda m: f"{m.group('name')}={REDACTED}" if is_secret_name(m.group("name"))
-                               else m.group(0), out)
+    out = _FLAG_LIST.sub(_flag, _FLAG_SHELL.sub(_flag, out))
+    return _ASSIGN.sub(_assign, out)
 
 
 def redact_argv(argv) -> list:
     """A command line as a list: the value after a secret flag (or after ``=``) is replaced."""
+    return _redact_seq([str(a) for a in argv])
+
+
+def _redact_seq(seq) -> list:
+    """Items of a list: the item after a secret flag hidden, every other item redacted on its own."""
     out, hide_next = [], False
-    for a in argv:
-        a = str(a)
-        if hide_next and not a.startswith("--"):
-            out.append(REDACTED)
+    for a in seq:
+        if hide_next and not (isinstance(a, str) and a.startswith("--")):
+            out.append(redact_value(a))
             hide_next = False
             continue
-        hide_next = False
-        if a.startswith("-") and "=" in a:
-            flag, _ = a.split("=", 1)
-            out.append(f"{flag}={REDACTED}" if is_secret_name(flag) else redact_text(a))
-        elif a.startswith("-") and is_secret_name(a):
-            out.append(a)
-            hide_next = True
+        hide_next = _is_secret_flag(a)
+        if isinstance(a, str) and a.startswith("-") and "=" in a:
+            flag, value = a.split("=", 1)
+            out.append(f"{flag}={REDACTED}" if is_secret_name(flag) and value else redact_text(a))
         else:
-            out.append(redact_text(a))
+            out.append(redact(a))
     return out
 
 
-def _looks_like_argv(seq) -> bool:
-    return bool(seq) and all(isinstance(a, str) for a in seq) and any(a.startswith("-") for a in seq)
-
-
 def redact(obj):
-    """A deep copy of ``obj`` (dicts, lists, tuples, strings, scalars) with every secret replaced.
-    Mapping values under a secret name, argv-shaped lists and URL credentials anywhere."""
-    if isinstance(obj, Mapping):
-        return {k: (redact_value(v) if is_secret_name(k) and not isinstance(v, Mapping) else redact(v))
-                for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        if _looks_like_argv(obj):
-            return type(obj)(redact_argv(obj)) if isinstance(obj, tuple) else redact_argv(obj)
-        return type(obj)(redact(v) for v in obj)
+    """A deep copy of ``obj`` with every secret replaced: mapping values under a secret name
+    (whole), the item after a secret flag in any list, secrets inside strings. Dataclasses become
+    dicts; objects that are not plain JSON become their redacted ``str``."""
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj
     if isinstance(obj, str):
         return redact_text(obj)
-    return obj
+    if isinstance(obj, Mapping):
+        return {k: redact_value(v) if is_secret_name(k) else redact(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = _redact_seq(obj)
+        return tuple(out) if isinstance(obj, tuple) else out
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return redact({f.name: getattr(obj, f.name, None) for f in fields(obj)})
+    return redact_text(str(obj))
 
 
 def redact_server_args(server_args) -> dict:
-    """Every field of a resolved SGLang ``ServerArgs`` (a dataclass), redacted."""
-    from dataclasses import fields, is_dataclass
-
-    if not is_dataclass(server_args):
-        return redact(dict(vars(server_args)))
-    return redact({f.name: getattr(server_args, f.name, None) for f in fields(server_args)})
+    """Every field of a resolved SGLang ``ServerArgs`` (a dataclass, or any object), redacted."""
+    if is_dataclass(server_args):
+        return redact(server_args)
+    return redact(dict(vars(server_args)))

@@ -1,10 +1,12 @@
-"""``python -m launch.server``: --dry-run plans without a GPU; bad input fails before GPU work."""
+"""``python -m launch.server``: --dry-run plans without a GPU (and prints no key); bad input fails before GPU
+work."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 
 FP = "732378fb61f95becfb46657115266f44f3fbd221f23f6ae3950ea57142b37669"
@@ -52,9 +54,44 @@ def test_no_cuda_is_one_clear_line(tiny_cache):
     import torch
 
     if torch.cuda.is_available():
-        import pytest
-
         pytest.skip("this machine has CUDA")
     r = _launch("--true-on-policy")
     assert r.returncode == 1
     assert "needs an NVIDIA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_dry_run_never_prints_a_key(tiny_cache, clean_env, capsys, form):
+    from launch.server import main
+
+    keys = (["--api-key", "SECRET123", "--admin-api-key", "ADMIN456"] if form == "space"
+            else ["--api-key=SECRET123", "--admin-api-key=ADMIN456"])
+    assert main(["--true-on-policy", "--dry-run", "--tp-size", "1", *keys]) == 0
+    out, err = capsys.readouterr()
+    assert "SECRET123" not in out + err and "ADMIN456" not in out + err
+    argv = json.loads(out)["argv"]
+    if form == "space":
+        i, j = argv.index("--api-key"), argv.index("--admin-api-key")
+        assert argv[i + 1] == argv[j + 1] == "<redacted>"
+    else:
+        assert "--api-key=<redacted>" in argv and "--admin-api-key=<redacted>" in argv
+    assert argv[argv.index("--tp-size") + 1] == "1"  # the rest stays readable
+
+
+def test_own_flags_are_stripped():
+    from launch.server import split_own_flags
+
+    own, rest = split_own_flags(["--true-on-policy", "--true-on-policy-keep-manifests", "--port", "1",
+                                 "--true-on-policy-contract=x_v1", "--dry-run"])
+    assert own == {"true_on_policy": True, "contract": "x_v1", "dry_run": True, "keep_manifests": True}
+    assert rest == ["--port", "1"]
+    assert split_own_flags(["--true-on-policy"])[0]["keep_manifests"] is False
+
+
+def test_argparse_error_does_not_echo_a_secret(tiny_cache, clean_env, capsys):
+    from launch.server import main
+
+    with pytest.raises(SystemExit):  # an unknown flag: argparse quotes the rest of the command line
+        main(["--true-on-policy", "--dry-run", "--admin-key", "SECRET123"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and "SECRET123" not in err and "<redacted>" in err
