@@ -45,4 +45,4 @@ def _make_capture(original):
 
 def apply(policy) -> PatchRecord:
     rep = wrap(CAPTURE, _make_capture)
-    return PatchRecord("cuda_graph", [rep.describe()], ["asserts every routing patch is installed before capture"])
+    return PatchRecord.of("cuda_graph", [rep], ["asserts every routing patch is installed before capture"])

@@ -53,6 +53,6 @@ def _make_sampler(original):
 
 def apply(policy) -> PatchRecord:
     reps = [wrap(LM_HEAD, replacing(tpo_lm_head)), wrap(SAMPLER, _make_sampler)]
-    return PatchRecord("sampler", [r.describe() for r in reps],
+    return PatchRecord.of("sampler", reps,
                        ["lm_head: fp32 logits from kernels.matmul",
                         "output_token_logprobs: kernels.logprobs fp32 log_softmax(logits / T) at the sampled token"])

@@ -45,4 +45,4 @@ def _per_sample_seeds(_result, req, num, *args, **kwargs) -> None:
 
 def apply(policy) -> PatchRecord:
     rep = wrap(NORMALIZE, after(_per_sample_seeds))
-    return PatchRecord("seeds", [rep.describe()], ["n > 1: sample j gets derive_seed(sampling_seed or 42, j)"])
+    return PatchRecord.of("seeds", [rep], ["n > 1: sample j gets derive_seed(sampling_seed or 42, j)"])
