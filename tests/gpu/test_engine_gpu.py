@@ -86,5 +86,5 @@ def test_grpo_group_samples_differ_and_repeat(tiny_cache, gpu_evidence):
     tokens = [tuple(t) for t, _ in first]
     assert len(first) == 4 and len(set(tokens)) > 1, tokens
     assert first == second
-    gpu_evidence.append({"test": "grpo_group_seeds", "samples": 4, "distinct_token_sequences": len(set(tokens)),
+    gpu_evidence.append({"test": "grpo_group_seeds", "samples": 4, "distinct_samples": len(set(tokens)),
                          "repeat_bitwise": True})
