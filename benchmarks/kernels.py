@@ -14,7 +14,6 @@ RMSNorm where importable, torch SDPA for prefill attention, torch for the rest.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -283,13 +282,14 @@ def main(argv=None):
                     help="graph: CUDA-graph replays, the GPU's time (default); eager: plain launches")
     ap.add_argument("--attention-sweep", action="store_true", help="only the attention configs")
     args = ap.parse_args(argv)
+    from true_on_policy.provenance import provenance, write_evidence
+
+    prov = provenance(None if argv is None else ["python", "benchmarks/kernels.py", *argv])
     TIMING["mode"] = args.timing
     if args.attention_sweep:
         rows = attention_sweep()
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "timing": TIMING, "attention_sweep": rows}, f,
-                          indent=1)
+            write_evidence(args.out, {"timing": TIMING, "attention_sweep": rows}, prov)
         return
     table = []
     for t in () if args.sweep_only else args.tokens:
@@ -313,10 +313,8 @@ def main(argv=None):
         print(f"baseline {name} not importable: {err}")
     swept = sweep(args.tokens) if args.sweep or args.sweep_only else None
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "timing": TIMING, "rows": table, "baseline_import_errors": IMPORT_ERRORS,
-                       "sweep": swept}, f, indent=1)
+        write_evidence(args.out, {"timing": TIMING, "rows": table, "baseline_import_errors": IMPORT_ERRORS,
+                                  "sweep": swept}, prov)
 
 
 if __name__ == "__main__":

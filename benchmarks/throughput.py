@@ -80,7 +80,9 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(phase(a.phase, a.model_path, a.prompts, a.new_tokens, a.repeats)), flush=True)
         return 0
     from true_on_policy import tiny_model
+    from true_on_policy.provenance import provenance, write_evidence
 
+    prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
     model_path = a.model_path or tiny_model.ensure(a.geometry)
     rows = []
     for v in a.variants:
@@ -97,12 +99,8 @@ def main(argv=None) -> int:
         ratio = f"{r['median'] / base:.2f}" if base else "n/a"
         print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {r['median']:.0f} | {ratio} |")
     if a.out:
-        with open(a.out, "w") as f:
-            from true_on_policy.manifest import package_versions
-            from true_on_policy.parity import git_commit
-            json.dump({"model_path": model_path, "prompts": a.prompts, "new_tokens": a.new_tokens,
-                       "repeats": a.repeats, "git_commit": git_commit(), "versions": package_versions(),
-                       "rows": rows}, f, indent=1)
+        write_evidence(a.out, {"model_path": model_path, "prompts": a.prompts, "new_tokens": a.new_tokens,
+                               "repeats": a.repeats, "rows": rows}, prov)
     return 0
 
 

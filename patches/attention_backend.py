@@ -87,5 +87,5 @@ def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=No
 
 def apply(policy) -> PatchRecord:
     reps = [wrap(EXTEND, replacing(tpo_extend)), wrap(DECODE, replacing(tpo_decode))]
-    return PatchRecord("attention_backend", [r.describe() for r in reps],
-                       ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows"])
+    return PatchRecord.of("attention_backend", reps,
+                          ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows"])

@@ -59,7 +59,7 @@ def apply(policy) -> PatchRecord:
     reps = [wrap(ATTN_ALL_REDUCE, replacing(tpo_attn_all_reduce)),
             wrap(QUANT_ALL_REDUCE, replacing(_refuse(QUANT_ALL_REDUCE, "get_attn_tp_group"))),
             wrap(MOE_ALL_REDUCE, replacing(_refuse(MOE_ALL_REDUCE, "get_moe_tp_group")))]
-    return PatchRecord("communicator", [r.describe() for r in reps],
-                       ["attention-TP all-reduce: pass-through of the tree-reduced o_proj output, else raise",
-                        "quantised and fused (MoE-TP) all-reduces: raise; all three are the identity for one rank, "
-                        "as in SGLang"])
+    return PatchRecord.of("communicator", reps,
+                          ["attention-TP all-reduce: pass-through of the tree-reduced o_proj output, else raise",
+                           "quantised and fused (MoE-TP) all-reduces: raise; all three are the identity for one rank, "
+                           "as in SGLang"])

@@ -26,7 +26,8 @@ def _required() -> list[str]:
 
 def _make_capture(original):
     def tpo_capture(self, *args, **kwargs):
-        missing = [t for t in _required() if t not in patching.applied()]
+        applied = patching.applied()
+        missing = [t for t in _required() if t not in applied or not applied[t].installed()]  # by identity
         if missing:
             raise PatchError(f"CUDA-graph capture before the true-on-policy patches: missing {missing}")
         CAPTURED["decode_batch_sizes"] = sorted(int(b) for b in getattr(self, "capture_bs", []))
@@ -37,6 +38,8 @@ def _make_capture(original):
         m = patches.current_manifest()  # captured after the worker wrote it: write it again
         if m is not None and m.ranks:
             m.extra["cuda_graph"] = dict(CAPTURED)
+            for record in m.patches:
+                record.check()
             m.write()
         return result
 
@@ -45,4 +48,4 @@ def _make_capture(original):
 
 def apply(policy) -> PatchRecord:
     rep = wrap(CAPTURE, _make_capture)
-    return PatchRecord("cuda_graph", [rep.describe()], ["asserts every routing patch is installed before capture"])
+    return PatchRecord.of("cuda_graph", [rep], ["asserts every routing patch is installed before capture"])

@@ -35,5 +35,5 @@ def tpo_rmsnorm(self, x, residual=None, post_residual_addition=None):
 
 def apply(policy) -> PatchRecord:
     rep = wrap(FORWARD_CUDA, replacing(tpo_rmsnorm))
-    return PatchRecord("layernorm", [rep.describe() + " [true_on_policy.patches.layernorm.tpo_rmsnorm]"],
-                       ["all RMSNorm call patterns: bf16 residual add, fp32 norm, bf16 weight multiply"])
+    return PatchRecord.of("layernorm", [rep],
+                          ["all RMSNorm call patterns: bf16 residual add, fp32 norm, bf16 weight multiply"])

@@ -53,6 +53,6 @@ def tpo_linear_apply(self, layer, x, bias=None):
 
 def apply(policy) -> PatchRecord:
     rep = wrap(APPLY, replacing(tpo_linear_apply))
-    return PatchRecord("linear", [rep.describe() + " [true_on_policy.patches.linear.tpo_linear_apply]"],
-                       ["column layers: kernels.matmul; RowParallelLinear: kernels.tree_reduce.row_linear "
-                        "(TP > 1: fp32 subtree roots all-gathered over the attention-TP group)"])
+    return PatchRecord.of("linear", [rep],
+                          ["column layers: kernels.matmul; RowParallelLinear: kernels.tree_reduce.row_linear "
+                           "(TP > 1: fp32 subtree roots all-gathered over the attention-TP group)"])

@@ -65,7 +65,7 @@ def tpo_moe_forward_normal(self, hidden_states):
 
 def apply(policy) -> PatchRecord:
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal))]
-    return PatchRecord("qwen3_moe", [r.describe() for r in reps],
-                       [f"per attention instance: {', '.join(_FLAGS)} = False; RoPE binding asserted",
-                        "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
-                        "MoE-TP tree roots gathered, EP slot outputs summed exactly)"])
+    return PatchRecord.of("qwen3_moe", reps,
+                          [f"per attention instance: {', '.join(_FLAGS)} = False; RoPE binding asserted",
+                           "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
+                           "MoE-TP tree roots gathered, EP slot outputs summed exactly)"])

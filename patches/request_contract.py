@@ -79,7 +79,7 @@ def _check(result, tm, obj, *args, **kwargs) -> None:
 
 def apply(policy) -> PatchRecord:
     rep = wrap(CREATE, after(_check))
-    return PatchRecord("request_contract", [rep.describe()],
+    return PatchRecord.of("request_contract", [rep],
                        ["requests whose resolved sampling parameters change the logits before the sampler "
                         "(penalties, logit_bias, grammars, min_new_tokens, custom processors) or ask for "
                         "routed experts / sampling masks are refused before scheduling (HTTP 400)"])

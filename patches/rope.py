@@ -33,5 +33,5 @@ def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=
 
 def apply(policy) -> PatchRecord:
     rep = wrap(FORWARD_NATIVE, replacing(tpo_rope))
-    return PatchRecord("rope", [rep.describe() + " [true_on_policy.patches.rope.tpo_rope]"],
-                       ["fp32 cos/sin from positions (kernels.rope.cos_sin), fp32 apply, one rounding"])
+    return PatchRecord.of("rope", [rep],
+                          ["fp32 cos/sin from positions (kernels.rope.cos_sin), fp32 apply, one rounding"])

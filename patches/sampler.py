@@ -164,7 +164,7 @@ def apply(policy) -> PatchRecord:
     reps = [wrap(LM_HEAD, replacing(tpo_lm_head)), wrap(SAMPLER, replacing(tpo_sampler_forward)),
             wrap(LOGPROBS_ONLY, replacing(tpo_compute_logprobs_only)),
             wrap(INPUT_LOGPROBS, replacing(tpo_input_logprobs))]
-    return PatchRecord("sampler", [r.describe() for r in reps],
+    return PatchRecord.of("sampler", reps,
                        ["lm_head: fp32 logits from kernels.matmul",
                         "tokens drawn by kernels.sampling.sample from the fp32 log_softmax(logits / T) they are "
                         "reported with (Gumbel-max, seeded per position; top_k/top_p/min_p on that distribution)",

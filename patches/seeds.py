@@ -145,6 +145,6 @@ def _wait_one(original):
 
 def apply(policy) -> PatchRecord:
     reps = [wrap(SEND_ONE, _send_one), wrap(SEND_BATCH, _send_batch), wrap(WAIT_ONE, _wait_one)]
-    return PatchRecord("seeds", [r.describe() for r in reps],
+    return PatchRecord.of("seeds", reps,
                        ["every request gets its own seed (given, or from a server RNG seeded by --random-seed); "
                         "sample j of an n > 1 request gets derive_seed(base, j); meta_info.sampling_seed reports it"])

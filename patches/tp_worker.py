@@ -48,16 +48,22 @@ def _write_manifest(contract, self) -> None:
     from true_on_policy.patches.cuda_graph import CAPTURED
 
     m.extra["cuda_graph"] = dict(CAPTURED) or {"decode_batch_sizes": [], "note": "no decode graph captured"}
+    for record in m.patches:  # installed now, with the model and graphs built: checked by identity
+        record.check()
     m.write()
 
 
 def apply(policy) -> PatchRecord:
     for name in _SETTERS:  # fail now, not at bootstrap, if a setter moved
         resolve(f"sglang.srt.distributed.bootstrap.{name}")
+
+    def write_manifest_when_built(_result, worker, *args, **kwargs) -> None:
+        _write_manifest(policy.contract, worker)
+
     reps = [
         wrap(BOOTSTRAP, after(_all_reduce_off)),
         wrap(LOGITS_INIT, after(_no_multicast_gather)),
-        wrap(WORKER_INIT, after(lambda _r, worker, *a, **k: _write_manifest(policy.contract, worker))),
+        wrap(WORKER_INIT, after(write_manifest_when_built)),
     ]
-    return PatchRecord("tp_worker", [r.describe() for r in reps],
-                       ["custom/mscclpp/symm-mem all-reduce off", "logits multimem all-gather off"])
+    return PatchRecord.of("tp_worker", reps,
+                          ["custom/mscclpp/symm-mem all-reduce off", "logits multimem all-gather off"])

@@ -5,7 +5,6 @@ Run the CPU tier: ``pytest -m "not gpu"``; the GPU tier: ``pytest -m gpu`` (see 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -55,18 +54,17 @@ def clean_env(monkeypatch):
 
 @pytest.fixture(scope="session")
 def gpu_evidence():
-    """GPU tier: records appended here are written to one JSON file at the end of the session."""
+    """GPU tier: records appended here are written to one JSON file, whole, at the end of the
+    session (``$TRUE_ON_POLICY_EVIDENCE_DIR/gpu-tier.json``), with the provenance taken when the
+    first test asked for it."""
+    from true_on_policy import env
+    from true_on_policy.provenance import provenance, write_evidence
+
+    prov = provenance()
     records: list[dict] = []
     yield records
     if not records:
         return
-    from true_on_policy import env
-    from true_on_policy.manifest import package_versions
-
     folder = Path(env.EVIDENCE_DIR.get() or ROOT / "evidence" / "gpu-tier")
-    folder.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    doc = {"schema": "true_on_policy.gpu_tier/1", "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "device": torch.cuda.get_device_name(0), "versions": package_versions(), "records": records}
-    (folder / "gpu-tier.json").write_text(json.dumps(doc, indent=1, sort_keys=True, default=str))
+    write_evidence(folder / "gpu-tier.json", {"schema": "true_on_policy.gpu_tier/2", "records": records,
+                                              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, prov)

@@ -46,11 +46,13 @@ CACHE_DIR = EnvVar(
 
 GIT_COMMIT = EnvVar(
     "TRUE_ON_POLICY_GIT_COMMIT",
-    "commit recorded in parity evidence when the checkout has no .git (copies sent to a GPU host)",
+    "commit a copy without .git (sent to a GPU host) claims to be; evidence records it as "
+    "git.claimed_commit, which `python -m true_on_policy.provenance --verify` checks by source hash",
 )
 EVIDENCE_DIR = EnvVar(
     "TRUE_ON_POLICY_EVIDENCE_DIR",
-    "where the GPU test tier writes gpu-tier.json (default evidence/gpu-tier)",
+    "where the GPU test tier writes gpu-tier.json and the acceptance driver its phases (default "
+    "evidence/gpu-tier; the driver's default is a temporary folder)",
 )
 
 # --- SGLang's, read by us -------------------------------------------------------------------

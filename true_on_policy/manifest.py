@@ -43,9 +43,31 @@ def package_versions() -> dict[str, str | None]:
 
 @dataclass
 class PatchRecord:
+    """One patch module's replacements, as data (``symbols``) and as readable lines.
+
+    ``symbols``: per replaced symbol, ``patching.status``: the original's and the replacement's
+    qualified names (module and function) and ``installed``, whether the object found at the
+    target *is* the replacement, checked when the record was made or last ``check``-ed (the
+    scheduler checks just before it writes its manifest). A stock process reads
+    ``installed: False``, ``NOT PATCHED`` in its lines."""
+
     patch: str
     replacements: list[str]
     notes: list[str] = field(default_factory=list)
+    symbols: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, patch: str, reps, notes=()) -> PatchRecord:
+        """From ``patching.Replacement``s (what a patch module's ``apply`` returns)."""
+        return cls(patch, [], list(notes), [{"target": r.target, "replacement": r.replacement} for r in reps]).check()
+
+    def check(self) -> PatchRecord:
+        """Resolve every target now and refresh ``symbols`` and ``replacements``."""
+        from true_on_policy.patching import describe, status
+
+        self.symbols = [status(s["target"], s.get("replacement")) for s in self.symbols]
+        self.replacements = [describe(s) for s in self.symbols]
+        return self
 
 
 @dataclass

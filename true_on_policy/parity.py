@@ -7,15 +7,15 @@
    mixed lengths x T new tokens with log-probs (one seed per prompt), shut it down;
 2. recompute log p(token | prefix) of every sampled token with the trainer — today Hugging Face
    transformers' ``Qwen3MoeForCausalLM`` in bf16: fp32 ``log_softmax(logits / T)``;
-3. write JSON evidence: versions, contract fingerprint, git commit, config, ``tokens``,
-   ``mean_abs_diff``, ``max_abs_diff``, ``exact_fraction`` (bitwise-equal fp32 values).
+3. write JSON evidence, whole, at the end (``provenance.write_evidence``): the provenance taken
+   at the start (command, imported versions, GPU, git state), contract fingerprint, config,
+   ``tokens``, ``mean_abs_diff``, ``max_abs_diff``, ``exact_fraction`` (bitwise-equal fp32 values).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -121,25 +121,9 @@ def compare(rollout_lps: list[list[float]], trainer_lps) -> dict:
             "exact_fraction": float((r == t).double().mean()), "exact_tokens": int((r == t).sum())}
 
 
-def git_commit() -> str:
-    from true_on_policy import env
-
-    if env.GIT_COMMIT.get():
-        return env.GIT_COMMIT.get()
-    try:
-        here = Path(__file__).resolve().parent
-        return subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - a copy without .git
-        return "unknown"
-
-
 def run(args) -> dict:
-    import torch
-
     from true_on_policy import DEFAULT_CONTRACT, tiny_model
     from true_on_policy.contract import get_contract
-    from true_on_policy.manifest import package_versions
     from true_on_policy.policy import read_architectures
 
     model_path = args.model_path or tiny_model.ensure(args.geometry)
@@ -160,9 +144,6 @@ def run(args) -> dict:
         "mode": args.mode,
         "contract": contract.name if args.mode == "tpo" else None,
         "fingerprint": contract.fingerprint if args.mode == "tpo" else None,
-        "git_commit": git_commit(),
-        "versions": package_versions(),
-        "device": torch.cuda.get_device_name(0),
         "config": {"model_path": model_path, "architectures": read_architectures(model_path),
                    "geometry": None if args.model_path else args.geometry, "prompts": args.prompts,
                    "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed,
@@ -190,9 +171,11 @@ def main(argv=None) -> int:
                    help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
+    from true_on_policy.provenance import provenance, write_evidence
+
+    prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.parity", *argv])
     evidence = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(evidence, indent=1, sort_keys=True, default=str))
+    write_evidence(args.out, evidence, prov)
     keys = ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "rollout_seconds")
     print(json.dumps({k: evidence[k] for k in keys}))
     return 0

@@ -5,6 +5,11 @@ patch is silently off-policy training, so patches go through ``wrap``: it raises
 ``PatchError`` naming the missing symbol, keeps ``__wrapped__`` and a marker on the replacement,
 rewrites every module global that held the original (``from X import f`` bindings, the same
 propagation HookRegistry does), and ``undo`` restores all of it.
+
+The replacement keeps its own name (``__module__``/``__qualname__`` of the function that does the
+work: the ``impl`` of ``replacing``, the ``hook`` of ``after``), never the original's, so a
+manifest tells patched from stock; ``status(target)`` resolves a target now and says, by
+identity, whether the replacement is what is installed there.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MARKER = "__true_on_policy_patch__"
+IMPL = "__true_on_policy_impl__"  # on a wrapper: the function that does the work (its name is reported)
+KIND = "__true_on_policy_kind__"  # on a wrapper: "replace" or "after"; a custom make's function is "wrap"
 SUPPORTED_SGLANG = "0.5.17"
 
 
@@ -25,7 +32,8 @@ class PatchError(RuntimeError):
     pass
 
 
-def _name(obj: Any) -> str:
+def qualified(obj: Any) -> str:
+    """``module.qualname`` of a function or class (what a manifest prints for it)."""
     mod = getattr(obj, "__module__", None) or "?"
     return f"{mod}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
@@ -37,10 +45,15 @@ class Replacement:
     attr: str
     original: Any
     new: Any
+    replacement: str = ""  # qualified name of the function that does the work
+    kind: str = "wrap"
     propagated: list[tuple[types.ModuleType, str]] = field(default_factory=list)
 
+    def installed(self) -> bool:
+        return resolve(self.target)[2] is self.new
+
     def describe(self) -> str:
-        return f"{self.target}: {_name(self.original)} -> {_name(self.new)}"
+        return describe(status(self.target))
 
 
 _APPLIED: dict[str, Replacement] = {}
@@ -80,11 +93,12 @@ def wrap(target: str, make: Callable[[Callable], Callable]) -> Replacement:
     if getattr(original, MARKER, None) is not None:
         raise PatchError(f"{target} is already patched by another copy of the overlay")
     new = make(original)
-    functools.update_wrapper(new, original)
+    impl, kind = getattr(new, IMPL, new), getattr(new, KIND, "wrap")
+    functools.update_wrapper(new, original, assigned=("__doc__",))  # not the name: see the module docstring
     new.__wrapped__ = original
     setattr(new, MARKER, target)
     setattr(owner, attr, new)
-    rep = Replacement(target, owner, attr, original, new)
+    rep = Replacement(target, owner, attr, original, new, qualified(impl), kind)
     for mod in list(sys.modules.values()):
         if not isinstance(mod, types.ModuleType) or mod is owner:
             continue
@@ -115,6 +129,31 @@ def applied() -> dict[str, Replacement]:
     return dict(_APPLIED)
 
 
+def status(target: str, replacement: str | None = None) -> dict:
+    """What is bound at ``target`` now: ``{"target", "original", "replacement", "kind",
+    "installed"}`` (qualified names; ``installed``: the object found there *is* the replacement
+    this process installed), plus ``found`` (what is there) when not installed. ``replacement``
+    names the expected replacement for a target this process has not patched (a stock process)."""
+    rep = _APPLIED.get(target)
+    current = resolve(target)[2]
+    if rep is None:
+        return {"target": target, "original": qualified(current), "replacement": replacement, "kind": None,
+                "installed": False, "found": qualified(current)}
+    out = {"target": target, "original": qualified(rep.original), "replacement": rep.replacement, "kind": rep.kind,
+           "installed": current is rep.new}
+    if not out["installed"]:
+        out["found"] = qualified(current)
+    return out
+
+
+def describe(s: dict) -> str:
+    """One readable line for a ``status`` record."""
+    if s["installed"]:
+        how = {"after": "runs after the original", "replace": "replaces it"}.get(s["kind"], "wraps the original")
+        return f"{s['target']}: {s['original']} -> {s['replacement']} ({how})"
+    return f"{s['target']}: NOT PATCHED, {s['found']} in place (replacement {s['replacement']} not installed)"
+
+
 def after(hook: Callable) -> Callable[[Callable], Callable]:
     """``make`` for wrap(): call the original, then ``hook(result, *args, **kwargs)``."""
 
@@ -124,7 +163,7 @@ def after(hook: Callable) -> Callable[[Callable], Callable]:
             hook(result, *args, **kwargs)
             return result
 
-        return wrapper
+        return _named(wrapper, hook, "after")
 
     return make
 
@@ -137,6 +176,15 @@ def replacing(impl: Callable) -> Callable[[Callable], Callable]:
         def wrapper(*args, **kwargs):
             return impl(*args, **kwargs)
 
-        return wrapper
+        return _named(wrapper, impl, "replace")
 
     return make
+
+
+def _named(wrapper: Callable, impl: Callable, kind: str) -> Callable:
+    """The wrapper takes the name of the function doing the work (tracebacks, manifests)."""
+    wrapper.__module__, wrapper.__name__ = impl.__module__, impl.__name__
+    wrapper.__qualname__ = impl.__qualname__ if kind == "replace" else f"{impl.__qualname__}[after]"
+    setattr(wrapper, IMPL, impl)
+    setattr(wrapper, KIND, kind)
+    return wrapper

@@ -2,9 +2,11 @@
 manifest route, evidence files, log lines).
 
 A value is secret when its *name* -- an SGLang argument, a command-line flag, an environment
-variable or a JSON key -- holds one of the words in ``SECRET_WORDS`` (split on ``-``, ``_``, ``.``
-and camelCase: ``api_key``, ``--admin-api-key``, ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``,
-``--ssl-keyfile-password``), or is one of ``SECRET_NAMES``. Secret values print as
+variable or a JSON key -- holds one of the words in ``SECRET_WORDS`` (secret, password,
+credential; split on ``-``, ``_``, ``.`` and camelCase), ends with key or token (``api_key``,
+``--admin-api-key``, ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``, ``--ssl-keyfile-password``), or is one
+of ``SECRET_NAMES``. Inside a name, key and token describe data and are kept
+(``output_token_logprobs``, ``token_ids_logprob``). Secret values print as
 ``<redacted>``; a secret that was not set (None, False, empty) stays as it was, so the fact that
 a key *was* set survives and the fact that it was not does too. Independently of names, the
 password (and a token-like user) of any URL with credentials (``scheme://user:pass@host``) is
@@ -26,8 +28,10 @@ from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 
 REDACTED = "<redacted>"
-SECRET_WORDS = frozenset({"key", "keys", "apikey", "token", "secret", "secrets", "password", "passwords",
-                          "passwd", "credential", "credentials"})
+SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwords", "passwd", "credential", "credentials"})
+# key / token name a secret when they end the name (api_key, HF_TOKEN, AWS_SESSION_TOKEN); inside a
+# name they describe data (output_token_logprobs, token_ids_logprob, key_positions)
+SECRET_LAST_WORDS = frozenset({"key", "keys", "apikey", "token"})
 SECRET_NAMES = frozenset({"api_key", "admin_api_key"})  # SGLang's own (also caught by the words)
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
@@ -51,7 +55,8 @@ def is_secret_name(name) -> bool:
     if not isinstance(name, str):
         return False
     canon = name.lstrip("-").replace("-", "_").lower()
-    return canon in SECRET_NAMES or any(w in SECRET_WORDS for w in words(name))
+    ws = words(name)
+    return canon in SECRET_NAMES or any(w in SECRET_WORDS for w in ws) or bool(ws and ws[-1] in SECRET_LAST_WORDS)
 
 
 def _unset(value) -> bool:

@@ -58,6 +58,48 @@ print('ok')
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_manifest_tells_patched_from_stock():
+    """Every record names the original (its own module and qualname) and the replacement (ours,
+    never the original's name copied over), and whether the replacement is installed, checked by
+    identity when the record is checked: the same records after undo_all read NOT PATCHED."""
+    code = """
+import json
+from true_on_policy import patches, patching
+from true_on_policy.contract import get_contract
+from true_on_policy.policy import RuntimePolicy
+m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+patched = json.loads(json.dumps(m.to_dict()['patches']))
+syms = [s for p in patched for s in p['symbols']]
+assert len(syms) == 16 and all(s['installed'] for s in syms), syms
+for s in syms:
+    assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
+    assert not s['original'].startswith('true_on_policy'), s
+    assert s['kind'] in ('replace', 'after', 'wrap') and 'found' not in s, s
+    assert patching.resolve(s['target'])[2].__qualname__ != patching.applied()[s['target']].original.__qualname__
+by_target = {s['target']: s for s in syms}
+assert by_target['sglang.srt.layers.sampler.Sampler.forward']['replacement'] == \\
+    'true_on_policy.patches.sampler._make_sampler.<locals>.tpo_sampler_forward'
+assert by_target['sglang.srt.layers.layernorm.RMSNorm.forward_cuda'] == {
+    'target': 'sglang.srt.layers.layernorm.RMSNorm.forward_cuda', 'kind': 'replace', 'installed': True,
+    'original': 'sglang.srt.layers.layernorm.RMSNorm.forward_cuda',
+    'replacement': 'true_on_policy.patches.layernorm.tpo_rmsnorm'}
+lines = [l for p in patched for l in p['replacements']]
+assert all(' -> true_on_policy.patches.' in l and 'NOT PATCHED' not in l for l in lines), lines
+records = m.patches
+patches.undo_all()
+stock = [r.check().symbols for r in records]
+stock_syms = [s for p in stock for s in p]
+assert [s['target'] for s in stock_syms] == [s['target'] for s in syms]
+assert not any(s['installed'] for s in stock_syms), stock_syms
+assert all(s['found'] == s['original'] == by_target[s['target']]['original'] for s in stock_syms)
+stock_lines = [l for r in records for l in r.replacements]
+assert all('NOT PATCHED' in l for l in stock_lines) and not set(stock_lines) & set(lines)
+print('ok')
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("target, needle", [
     ("sglang.srt.models.qwen3_moe.Qwen3MoeAttention.forward_renamed", "no attribute 'forward_renamed'"),
     ("sglang.srt.models.qwen3_moe_gone.Qwen3MoeAttention.__init__", "cannot be imported"),

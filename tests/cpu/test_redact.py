@@ -99,3 +99,15 @@ def test_server_args(tiny_cache):
     assert SECRET not in json.dumps(got, default=str)
     assert got["api_key"] == REDACTED and got["admin_api_key"] == REDACTED and got["ssl_keyfile_password"] is None
     assert got["max_total_tokens"] == 64 and got["tokenizer_path"] == path and got["model_path"] == path
+
+
+def test_key_and_token_inside_a_name_describe_data():
+    from true_on_policy.redact import is_secret_name, redact
+
+    for data in ("output_token_logprobs", "token_ids_logprob", "distinct_token_sequences", "max_total_tokens",
+                 "key_positions", "--tokenizer-path"):
+        assert not is_secret_name(data), data
+    for secret in ("HF_TOKEN", "AWS_SESSION_TOKEN", "api_key", "WANDB_API_KEY", "db_password_file", "apiKey"):
+        assert is_secret_name(secret), secret
+    assert redact({"output_token_logprobs": [[-0.5, 3]], "hf_token": "x"}) == {
+        "output_token_logprobs": [[-0.5, 3]], "hf_token": "<redacted>"}

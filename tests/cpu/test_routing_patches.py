@@ -26,12 +26,21 @@ except PatchError as e:
 else:
     raise AssertionError('capture before patches accepted')
 patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+from sglang.srt.layers.layernorm import RMSNorm
+ours = RMSNorm.forward_cuda
+RMSNorm.forward_cuda = ours.__wrapped__  # applied, then overwritten: not installed, by identity
+try:
+    cuda_graph._make_capture(lambda self: None)(Runner())
+except PatchError as e:
+    assert 'RMSNorm.forward_cuda' in str(e), e
+else:
+    raise AssertionError('capture with an overwritten patch accepted')
+RMSNorm.forward_cuda = ours
 cuda_graph._make_capture(lambda self: None)(Runner())
 assert cuda_graph.CAPTURED['decode_batch_sizes'] == [1, 2, 4]
 
 g = torch.Generator().manual_seed(0)
 # 2. RMSNorm: the class method is ours; residual and plain patterns; 3-D input keeps its shape
-from sglang.srt.layers.layernorm import RMSNorm
 norm = types.SimpleNamespace(weight=(1 + 0.1 * torch.randn(64, generator=g)).bfloat16(), variance_epsilon=1e-6)
 x, r = torch.randn(2, 5, 64, generator=g).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()
 assert RMSNorm.forward_cuda.__wrapped__ is not None

@@ -2,10 +2,10 @@
 ``python -m torch.distributed.run --nproc_per_node 2 tests/gpu/dist_kernels.py OUT.json``.
 
 Every rank draws the same full inputs (same seed), computes the single-process result and its
-own shard's distributed result; rank 0 writes what matched (bitwise) to OUT.json.
+own shard's distributed result; rank 0 writes what matched (bitwise) to OUT.json, whole, with
+the provenance it took at the start.
 """
 
-import json
 import os
 import sys
 
@@ -14,6 +14,8 @@ import torch.distributed as dist
 from true_on_policy.kernels.logprobs import token_logprobs
 from true_on_policy.kernels.moe import moe, tp_shard
 from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reduce_scatter
+
+from true_on_policy.provenance import provenance, write_evidence
 
 
 def _check(name, got, want, results):
@@ -26,6 +28,7 @@ def main(out_path):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    prov = provenance() if rank == 0 else None
     g = torch.Generator(device="cuda").manual_seed(1234)
     res = {}
     # row-parallel linear (o_proj shape): K sharded
@@ -58,10 +61,8 @@ def main(out_path):
     flags = torch.tensor([int(ok)], device="cuda")
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"world": world, "all_bitwise": bool(flags.item()), "rank0": res,
-                       "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-                       "torch": torch.__version__, "device": torch.cuda.get_device_name()}, f, indent=1)
+        write_evidence(out_path, {"world": world, "all_bitwise": bool(flags.item()), "rank0": res,
+                                  "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, prov)
     dist.destroy_process_group()
 
 

@@ -1,11 +1,12 @@
 """GPU tier: the Python engine under the contract, and the parity harness end to end.
 
 Chain checked here (rollout == trainer bitwise: test_rollout_gpu.py and the parity harness):
-TrueOnPolicyEngine starts only with every scheduler's manifest present -> the same requests
-twice give bitwise the same tokens and log-probs -> the harness measures rollout vs trainer.
+TrueOnPolicyEngine starts only with every scheduler's manifest present, every patch installed
+-> the same requests twice give bitwise the same tokens and log-probs -> the harness, rollout
+against the patched trainer, is bitwise (exact_fraction 1.0, max |d| 0.0).
 """
 
-import math
+import json
 
 import pytest
 
@@ -41,28 +42,33 @@ def test_engine_repeatable_with_manifests(tiny_cache, gpu_evidence):
     sched = [m for m in manifests if m["role"] == "scheduler"]
     assert len(sched) == 1 and sched[0]["fingerprint"] == get_contract("qwen3_moe_true_on_policy_v1").fingerprint
     replaced = [line for p in sched[0]["patches"] for line in p["replacements"]]
-    assert any("Qwen3MoeAttention.__init__" in r for r in replaced)
-    assert any("_set_all_reduce_flags" in r for r in replaced)
+    symbols = [s for p in sched[0]["patches"] for s in p["symbols"]]
+    not_installed = [s for s in symbols if not s["installed"]]
+    assert len(symbols) == 16 and not not_installed, not_installed  # checked by identity in the scheduler
+    targets = {s["target"]: s for s in symbols}
+    assert targets["sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__"]["replacement"] == \
+        "true_on_policy.patches.qwen3_moe._attention_built"
+    assert "sglang.srt.distributed.bootstrap._set_all_reduce_flags" in targets
     assert sched[0]["extra"]["server_args"]["attention_backend"] == "triton"
     gpu_evidence.append({"test": "engine_repeatable", "tokens": int(a.numel()), "max_abs_diff": float(diff.max()),
                          "exact_fraction": float((a == b).double().mean()), "patches": replaced})
 
 
-def test_parity_harness_reports(tiny_cache, gpu_evidence, tmp_path):
+def test_parity_harness_tpo_is_bitwise_against_the_patched_trainer(tiny_cache, gpu_evidence, tmp_path):
     from true_on_policy import parity
+    from true_on_policy.provenance import KEYS
 
     out = tmp_path / "parity.json"
-    assert parity.main(["--mode", "tpo", "--prompts", "8", "--new-tokens", "16", "--out", str(out)]) == 0
-    import json
-
+    argv = ["--mode", "tpo", "--trainer", "patched", "--prompts", "8", "--new-tokens", "16", "--out", str(out)]
+    assert parity.main(argv) == 0
     ev = json.loads(out.read_text())
-    for key in ("versions", "fingerprint", "git_commit", "config", "tokens", "mean_abs_diff", "max_abs_diff",
-                "exact_fraction"):
-        assert key in ev
+    gpu_evidence.append({"test": "parity_harness_tpo_patched_small", **{k: ev[k] for k in (
+        "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "exact_tokens", "fingerprint")}})
+    print(f"parity: max|d|={ev['max_abs_diff']} differing={ev['tokens'] - ev['exact_tokens']}")
     assert ev["tokens"] == 8 * 16
-    assert math.isfinite(ev["max_abs_diff"]) and 0.0 <= ev["exact_fraction"] <= 1.0
-    gpu_evidence.append({"test": "parity_harness_tpo_small", **{k: ev[k] for k in (
-        "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "fingerprint")}})
+    assert ev["exact_fraction"] == 1.0 and ev["max_abs_diff"] == 0.0, ev
+    assert set(KEYS) <= set(ev["provenance"]) and ev["provenance"]["command"][-len(argv):] == argv
+    assert ev["provenance"]["gpu"]["count"] >= 1 and ev["config"]["trainer"].endswith("(patched)")
 
 
 def test_grpo_group_samples_differ_and_repeat(tiny_cache, gpu_evidence):
@@ -80,5 +86,5 @@ def test_grpo_group_samples_differ_and_repeat(tiny_cache, gpu_evidence):
     tokens = [tuple(t) for t, _ in first]
     assert len(first) == 4 and len(set(tokens)) > 1, tokens
     assert first == second
-    gpu_evidence.append({"test": "grpo_group_seeds", "samples": 4, "distinct_token_sequences": len(set(tokens)),
+    gpu_evidence.append({"test": "grpo_group_seeds", "samples": 4, "distinct_samples": len(set(tokens)),
                          "repeat_bitwise": True})

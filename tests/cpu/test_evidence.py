@@ -1,0 +1,249 @@
+"""Evidence a skeptic can check: every evidence file outside ``evidence/archive/`` carries a
+provenance block written by the command that produced it (JSON: a ``provenance`` key; a log: a
+first line that is a JSON provenance header; nothing else is allowed), from a clean tree whose
+source hash matches its commit; ``provenance()``/``write_evidence`` record what they claim (whole
+file, atomic, redacted, dirty flag and diff hash following the tree); README and CHANGELOG name
+only evidence files that exist, or mark the line ``TODO(evidence)``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+from true_on_policy import provenance as pv
+
+EVIDENCE, ARCHIVE = ROOT / "evidence", ROOT / "evidence" / "archive"
+HEX40, HEX64 = re.compile(r"[0-9a-f]{40}"), re.compile(r"[0-9a-f]{64}")
+
+
+def problems(prov) -> list[str]:
+    """What is missing or inconsistent in one provenance block (empty list: complete)."""
+    if not isinstance(prov, dict):
+        return ["no provenance block"]
+    out = [f"missing {k}" for k in pv.KEYS if k not in prov]
+    cmd, ver, gpu, git = prov.get("command"), prov.get("versions") or {}, prov.get("gpu") or {}, prov.get("git") or {}
+    if not (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)):
+        out.append("command is not a non-empty list of strings")
+    for name in (*pv.IMPORTED, "true_on_policy", "python"):
+        if name not in ver or (ver[name] is None and name not in (ver.get("import_errors") or {})):
+            out.append(f"versions.{name} missing (or None without a reason)")
+    if not isinstance(gpu.get("count"), int) or (gpu.get("count", 0) > 0) != isinstance(gpu.get("name"), str):
+        out.append("gpu needs name and count (name None iff count 0)")
+    out += [f"missing git.{k}" for k in pv.GIT_KEYS if k not in git]
+    if git.get("commit") is None:
+        if not git.get("reason"):
+            out.append("git.commit None without a reason")
+    elif not HEX40.fullmatch(str(git["commit"])) or not isinstance(git.get("dirty"), bool):
+        out.append("git.commit must be a full sha and git.dirty a bool")
+    elif git["dirty"] != bool(git.get("diff_sha256") and HEX64.fullmatch(git["diff_sha256"])):
+        out.append("git.diff_sha256 must be a sha256 exactly when dirty")
+    try:
+        started = datetime.datetime.fromisoformat(str(prov.get("started_at")))
+        if started.utcoffset() != datetime.timedelta(0):
+            out.append("started_at is not UTC")
+    except ValueError:
+        out.append("started_at is not ISO-8601")
+    if not isinstance(prov.get("host"), str):
+        out.append("host missing")
+    return out
+
+
+def read_block(path):
+    if path.suffix not in (".json", ".log"):
+        return None
+    return pv.read(path)
+
+
+def evidence_files(under=EVIDENCE):
+    return sorted(p for p in under.rglob("*") if p.is_file() and (under == ARCHIVE or ARCHIVE not in p.parents))
+
+
+def test_every_evidence_file_outside_the_archive_carries_complete_provenance():
+    bad = {}
+    for path in evidence_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if path.suffix not in (".json", ".log"):
+            bad[rel] = ["only .json and .log files are evidence; move it to evidence/archive/"]
+            continue
+        found = problems(read_block(path))
+        git = (read_block(path) or {}).get("git") or {}
+        if not found and not (git.get("dirty") is False or (git.get("commit") is None and git.get("claimed_commit"))):
+            found = ["not from a clean, named commit (dirty tree, or no commit recorded or claimed)"]
+        if found:
+            bad[rel] = found
+    assert not bad, json.dumps(bad, indent=1)
+
+
+def test_recorded_source_is_the_recorded_commit():
+    """Where the commit is in this clone: the source that ran hashes to that commit's files."""
+    bad = {}
+    for path in evidence_files():
+        git = (read_block(path) or {}).get("git") or {}
+        commit = git.get("commit") or git.get("claimed_commit")
+        if commit and pv.source_sha256_at(commit) is not None:
+            ok, why = pv.verify(path)
+            if not ok:
+                bad[path.relative_to(ROOT).as_posix()] = why
+    assert not bad, bad
+
+
+def test_the_checker_rejects_every_archived_file_and_accepts_a_fresh_block():
+    archived = [p for p in evidence_files(ARCHIVE) if p.name != "README.md"]
+    assert archived and all(problems(read_block(p)) for p in archived)
+    fresh = pv.provenance(["python", "x.py"])
+    assert problems(fresh) == []
+    for key in pv.KEYS:
+        assert problems({k: v for k, v in fresh.items() if k != key}), key
+    assert problems({**fresh, "git": {**fresh["git"], "dirty": True, "diff_sha256": None, "commit": "a" * 40}})
+
+
+def test_archive_readme_has_one_line_per_archived_file():
+    text = (ARCHIVE / "README.md").read_text()
+    named = set(re.findall(r"^- `([^`]+)`", text, flags=re.M))
+    for line in re.findall(r"^- `([^`]+)`, (`[^`]+`(?:, `[^`]+`)*)", text, flags=re.M):
+        folder = line[0].rsplit("/", 1)[0]
+        named |= {f"{folder}/{n}" for n in re.findall(r"`([^`]+)`", line[1])}
+    files = {p.relative_to(ARCHIVE).as_posix() for p in evidence_files(ARCHIVE) if p.name != "README.md"}
+    assert files == named, (files - named, named - files)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "CHANGELOG.md"])
+def test_docs_name_only_evidence_that_exists(doc):
+    missing = []
+    for line in (ROOT / doc).read_text().splitlines():
+        for path in re.findall(r"`(evidence/[^`\s]*)`", line):
+            if not (ROOT / path).exists() and "TODO(evidence)" not in line:
+                missing.append(path)
+    assert not missing, f"{doc} names evidence that is not in the repository: {missing}"
+
+
+def test_provenance_records_the_command_versions_gpu_and_start(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(pv, "IMPORTED", (*pv.IMPORTED, "no_such_module_true_on_policy"))
+    before = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    p = pv.provenance(["python", "-m", "x", "--flag"])
+    assert p["command"] == ["python", "-m", "x", "--flag"]
+    assert pv.provenance()["command"] == [os.path.basename(sys.executable), *sys.argv]
+    assert p["versions"]["torch"] == torch.__version__ and p["versions"]["python"].count(".") == 2
+    assert p["versions"]["no_such_module_true_on_policy"] is None
+    assert "ModuleNotFoundError" in p["versions"]["import_errors"]["no_such_module_true_on_policy"]
+    assert p["gpu"] == {"name": None, "count": 0}
+    assert before <= datetime.datetime.fromisoformat(p["started_at"]) <= datetime.datetime.now(datetime.UTC)
+
+
+def test_write_evidence_writes_the_whole_file_once_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "ev.json"
+    prov = pv.provenance(["python", "run.py"])
+    pv.write_evidence(path, {"old": True}, prov)
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):  # at the rename: the target still whole and old, the new file complete
+        seen.append((json.loads(open(dst).read())["old"], json.loads(open(src).read())["old"]))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert pv.write_evidence(path, {"old": False, "n": 1}, prov) == path
+    assert seen == [(True, False)]
+    doc = json.loads(path.read_text())
+    assert doc == {"provenance": json.loads(json.dumps(prov)), "old": False, "n": 1}
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        pv.write_evidence(path, {"old": "never"}, prov)
+    assert json.loads(path.read_text())["old"] is False and sorted(os.listdir(path.parent)) == ["ev.json"]
+    with pytest.raises(ValueError, match="provenance"):
+        pv.write_evidence(path, {"provenance": {}}, prov)
+
+
+def test_a_planted_secret_never_reaches_an_evidence_file_or_log(tmp_path):
+    prov = pv.provenance(["python", "-m", "true_on_policy.parity", "--api-key", "SECRET123", "--out", "x.json"])
+    payload = {"config": {"engine_kwargs": {"api_key": "SECRET123", "model_path": "/m"}},
+               "cmd": "python -m sglang.launch_server --api-key=SECRET123", "url": "https://u:SECRET123@host/x",
+               "argv": ["--admin-api-key", "SECRET123"], "tokens": 4096}
+    text = pv.write_evidence(tmp_path / "ev.json", payload, prov).read_text()
+    assert "SECRET123" not in text and "<redacted>" in text
+    doc = json.loads(text)
+    assert doc["tokens"] == 4096 and doc["config"]["engine_kwargs"]["model_path"] == "/m"
+    assert doc["provenance"]["command"][-2:] == ["--out", "x.json"]
+    assert "SECRET123" not in pv.header_line(prov)
+    log = tmp_path / "run.log"
+    r = pv.run_logged([sys.executable, "-c", "print('hello')", "--api-key", "SECRET123"], log)
+    first, rest = log.read_text().split("\n", 1)
+    assert r.returncode == 0 and "SECRET123" not in first and rest.strip() == "hello"
+    assert problems(json.loads(first)["provenance"]) == [] and pv.read(log)["command"][1] == "-c"
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_git_state_follows_the_tree(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (repo / "pkg" / "a.py").write_text("A = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "one")
+    clean = pv.git_state(repo)
+    assert clean == {"commit": _git(repo, "rev-parse", "HEAD"), "dirty": False, "diff_sha256": None,
+                     "source_sha256": pv.source_sha256_at("HEAD", repo)}
+    (repo / "evidence").mkdir()
+    (repo / "evidence" / "out.json").write_text("{}")  # an earlier run's output is not code
+    assert pv.git_state(repo) == clean
+    (repo / "pkg" / "a.py").write_text("A = 2\n")
+    one = pv.git_state(repo)
+    (repo / "pkg" / "a.py").write_text("A = 3\n")
+    two = pv.git_state(repo)
+    (repo / "pkg" / "new.py").write_text("B = 1\n")
+    three = pv.git_state(repo)
+    (repo / "pkg" / "new.py").write_text("B = 2\n")
+    four = pv.git_state(repo)
+    assert all(s["dirty"] is True and HEX64.fullmatch(s["diff_sha256"]) for s in (one, two, three, four))
+    assert len({s["diff_sha256"] for s in (one, two, three, four)}) == 4
+    assert len({s["source_sha256"] for s in (clean, one, two, three, four)}) == 5
+    assert {s["commit"] for s in (one, two, three, four)} == {clean["commit"]}
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "two")
+    assert pv.git_state(repo)["dirty"] is False and pv.git_state(repo)["source_sha256"] == four["source_sha256"]
+
+
+def test_a_copy_without_git_records_the_reason_and_can_be_verified(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (repo / "m.py").write_text("X = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "one")
+    sha = _git(repo, "rev-parse", "HEAD")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("pyproject.toml", "m.py"):
+        (copy / name).write_text((repo / name).read_text())
+    (copy / "m.cpython-311.pyc").write_text("ignored")
+    monkeypatch.setenv("TRUE_ON_POLICY_GIT_COMMIT", sha)
+    state = pv.git_state(copy)
+    assert state["commit"] is None and state["dirty"] is None and "not the top of a git checkout" in state["reason"]
+    assert state["claimed_commit"] == sha and state["source_sha256"] == pv.source_sha256_at(sha, repo)
+    prov = {**pv.provenance(["python", "run.py"]), "git": state}
+    ev = pv.write_evidence(tmp_path / "ev.json", {"x": 1}, prov)
+    assert pv.verify(ev, repo) == (True, f"the source that ran is commit {sha} (claimed, verified)")
+    (copy / "m.py").write_text("X = 2\n")
+    prov["git"] = pv.git_state(copy)
+    ok, why = pv.verify(pv.write_evidence(tmp_path / "ev2.json", {"x": 1}, prov), repo)
+    assert not ok and "not commit" in why
