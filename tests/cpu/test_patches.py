@@ -70,7 +70,7 @@ from true_on_policy.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 16 and all(s['installed'] for s in syms), syms
+assert len(syms) == 18 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
@@ -78,7 +78,7 @@ for s in syms:
     assert patching.resolve(s['target'])[2].__qualname__ != patching.applied()[s['target']].original.__qualname__
 by_target = {s['target']: s for s in syms}
 assert by_target['sglang.srt.layers.sampler.Sampler.forward']['replacement'] == \\
-    'true_on_policy.patches.sampler._make_sampler.<locals>.tpo_sampler_forward'
+    'true_on_policy.patches.sampler.tpo_sampler_forward'
 assert by_target['sglang.srt.layers.layernorm.RMSNorm.forward_cuda'] == {
     'target': 'sglang.srt.layers.layernorm.RMSNorm.forward_cuda', 'kind': 'replace', 'installed': True,
     'original': 'sglang.srt.layers.layernorm.RMSNorm.forward_cuda',
