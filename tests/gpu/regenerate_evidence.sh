@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
+#   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
+# GROUP: parity | kernels | trainer | rollout | acceptance | bench | tp2 (two GPUs) | all (one GPU groups)
+# On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+GROUP=${1:?usage: regenerate_evidence.sh GROUP [ROOT]}
+E=${2:-.}/evidence
+mkdir -p "$E"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -c "from importlib.metadata import entry_points as e; assert any(x.name == 'true_on_policy' for x in e(group='sglang.srt.plugins'))" 2>/dev/null \
+  || bash tests/gpu/dev_install.sh || exit 1
+P="python3 -m true_on_policy.parity --prompts 64 --new-tokens 64"
+tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider "$@"; }
+rc=0
+run() { "$@" || { rc=1; echo "FAILED: $*"; }; }
+case $GROUP in
+  parity|all)
+    run $P --mode tpo --trainer patched --geometry embedded --temperature 1.0 --out "$E/parity-tpo-embedded-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry embedded --temperature 0.7 --out "$E/parity-tpo-embedded-t0.7.json"
+    run $P --mode tpo --trainer patched --geometry wide --temperature 1.0 --out "$E/parity-tpo-wide-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry wide --temperature 0.7 --out "$E/parity-tpo-wide-t0.7.json"
+    run $P --mode stock --trainer hf --geometry embedded --temperature 1.0 --out "$E/parity-stock-embedded-t1.0.json"
+    run $P --mode stock --trainer hf --geometry wide --temperature 0.7 --out "$E/parity-stock-wide-t0.7.json" ;;&
+  kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
+  trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
+  rollout|all) run tier gpu-tier-rollout tests/gpu/test_engine_gpu.py tests/gpu/test_server_gpu.py \
+                 tests/gpu/test_rollout_gpu.py tests/gpu/test_sampling_http_gpu.py tests/gpu/test_sampling_engine_gpu.py ;;&
+  acceptance|all) run python3 -m true_on_policy.acceptance --folder "$E/acceptance-embedded" --resume \
+                    --out "$E/acceptance-embedded.json" ;;&
+  bench|all)
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --out "$E/bench-kernels.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --out "$E/throughput-embedded.json" ;;
+  tp2)
+    run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
+    run python3 -m true_on_policy.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
+      --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json" ;;
+  parity|kernels|trainer|rollout|acceptance|all) ;;
+  *) echo "unknown group $GROUP" >&2; exit 2 ;;
+esac
+exit $rc
