@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,3 +29,46 @@ def expect_value_errors(*calls) -> None:
         except ValueError:
             continue
         raise AssertionError(f"bad input #{i} accepted")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path, *extra):
+    """Start ``python -m launch.server --true-on-policy`` on a free port with ``extra`` flags and
+    wait for /health (open whatever the keys): (process, url, log file)."""
+    import pytest
+    import requests
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "launch.server", "--true-on-policy", "--host", "127.0.0.1",
+                             "--port", str(port), "--mem-fraction-static", "0.3", *extra],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            kill_group(proc)  # children it may have left
+            log.close()
+            pytest.fail("server exited: " + (tmp_path / "server.log").read_text()[-4000:])
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    kill_group(proc)
+    log.close()
+    pytest.fail("server did not come up: " + (tmp_path / "server.log").read_text()[-4000:])
+
+
+def kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)

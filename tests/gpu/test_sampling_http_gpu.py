@@ -18,55 +18,28 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 
 import pytest
-from helpers import ROOT
+from helpers import kill_group, start_server
 
 pytestmark = pytest.mark.gpu
 PREFERRED = {"top_k": 20, "top_p": 0.8}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
-    import requests
-
-    port, logdir = _free_port(), tmp_path_factory.mktemp("server")
-    log = open(logdir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "launch.server", "--true-on-policy", "--host", "127.0.0.1",
-                             "--port", str(port), "--mem-fraction-static", "0.3", "--random-seed", "1234",
-                             "--preferred-sampling-params", json.dumps(PREFERRED)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = start_server(tmp_path_factory.mktemp("server"), "--random-seed", "1234",
+                                  "--preferred-sampling-params", json.dumps(PREFERRED))
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, (logdir / "server.log").read_text()[-4000:]
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("server did not come up: " + (logdir / "server.log").read_text()[-4000:])
         yield url
-        assert proc.poll() is None, "the server died: " + (logdir / "server.log").read_text()[-4000:]
+        assert proc.poll() is None, "the server died during the tests"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc)
         log.close()
 
 

@@ -5,57 +5,14 @@ key when one is configured, with every key redacted -- and removes the manifest 
 import glob
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
-from helpers import ROOT
+from helpers import kill_group, start_server
 
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(tmp_path, *extra):
-    """Start the launcher on a free port and wait for /health (open whatever the keys)."""
-    import requests
-
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "launch.server", "--true-on-policy", "--host", "127.0.0.1",
-                             "--port", str(port), "--mem-fraction-static", "0.3", *extra],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            _kill_group(proc)  # children it may have left
-            log.close()
-            pytest.fail("server exited: " + (tmp_path / "server.log").read_text()[-4000:])
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    _kill_group(proc)
-    log.close()
-    pytest.fail("server did not come up: " + (tmp_path / "server.log").read_text()[-4000:])
-
-
-def _kill_group(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 def test_launch_server_embedded(tiny_cache, gpu_evidence, tmp_path):
@@ -63,7 +20,7 @@ def test_launch_server_embedded(tiny_cache, gpu_evidence, tmp_path):
 
     from true_on_policy.contract import get_contract
 
-    proc, url, log = _start_server(tmp_path)
+    proc, url, log = start_server(tmp_path)
     try:
         r = requests.post(url + "/generate", json={
             "input_ids": [5, 17, 99, 3, 42], "return_logprob": True,
@@ -94,7 +51,7 @@ def test_manifest_route_needs_the_admin_key_and_folder_goes_at_exit(tiny_cache, 
     import requests
 
     k1, k2 = "k1-NORMAL-7f3a9e", "k2-ADMIN-9c4e1b"
-    proc, url, log = _start_server(tmp_path, "--api-key", k1, "--admin-api-key", k2)
+    proc, url, log = start_server(tmp_path, "--api-key", k1, "--admin-api-key", k2)
     route = url + "/true_on_policy/manifest"
     try:
         found = glob.glob(os.path.join(tempfile.gettempdir(), "true_on_policy-manifests-*", f"launcher-{proc.pid}.json"))
@@ -128,5 +85,5 @@ def test_manifest_route_needs_the_admin_key_and_folder_goes_at_exit(tiny_cache, 
                              "exit_code": rc, "folder_removed": True})
     finally:
         if proc.poll() is None:
-            _kill_group(proc)
+            kill_group(proc)
         log.close()
