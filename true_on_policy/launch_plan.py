@@ -147,7 +147,7 @@ def _embedded_model() -> str:
 
 def _defaults_with(kwargs: dict) -> argparse.Namespace:
     """Unresolved engine arguments as the launcher sees them: SGLang's defaults, then the kwargs."""
-    ns = sglang_parser().parse_args(["--model-path", kwargs["model_path"]])
+    ns = sglang_parser().parse_args(["--model-path", str(kwargs["model_path"])])
     for name, value in kwargs.items():
         setattr(ns, name, value)
     return ns

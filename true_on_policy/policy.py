@@ -138,7 +138,7 @@ def model_problems(contract: Contract, model_path: str | None, tp_size: int = 1,
     if not model_path:
         return None, [model_check.ModelProblem("--model-path", "missing", "pass a Qwen3-MoE checkpoint folder or "
                                                "omit it for the embedded one")]
-    return model_check.check_checkpoint(model_path, contract.architectures, tp_size, ep_size)
+    return model_check.check_checkpoint(str(model_path), contract.architectures, tp_size, ep_size)
 
 
 def check_all(contract: Contract, server_args, environ=None, installed=_installed) -> list[Violation]:
