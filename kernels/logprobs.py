@@ -140,8 +140,8 @@ def _check(logits, tokens, temperature, vocab):
     if tokens.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs: tokens must be [{logits.shape[0]}], got {tuple(tokens.shape)}")
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
-    if not bool((t > 0).all()):
-        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    if not bool(((t > 0) & torch.isfinite(t)).all()):
+        raise ValueError(f"token_logprobs: temperature must be finite and > 0, got {temperature}")
     if vocab % SHARDS:
         raise ValueError(f"token_logprobs: vocabulary {vocab} must be a multiple of {SHARDS} (pad it)")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):

@@ -5,6 +5,7 @@ Thin by design: strip our flags, build and validate the launch plan, export the 
 add the manifest route, hand the resolved arguments to SGLang's own ``launch_server``. Without
 ``--true-on-policy`` this is exactly ``python -m sglang.launch_server`` (the overlay is inert).
 
+``-h`` / ``--help`` prints our flags, then SGLang's own help, and exits (building nothing).
 Our flags: ``--true-on-policy`` turns the overlay on; ``--true-on-policy-contract NAME`` picks the
 contract; ``--dry-run`` prints the validated plan (secrets as ``<redacted>``) and exits;
 ``--true-on-policy-keep-manifests`` keeps the run's manifest folder after exit (default: removed;
@@ -24,6 +25,41 @@ logger = logging.getLogger("true_on_policy")
 MANIFEST_ROUTE = "/true_on_policy/manifest"
 
 
+OWN_HELP = """\
+true-on-policy overlay (python -m launch.server): our flags, then SGLang's own (below).
+
+  --true-on-policy                  turn the overlay on; without it this is exactly
+                                    python -m sglang.launch_server
+  --true-on-policy-contract NAME    the contract to enforce (default {default};
+                                    known: {known})
+  --dry-run                         with --true-on-policy: validate the plan (flags, environment,
+                                    versions, checkpoint), print it as JSON and exit; no GPU needed
+  --true-on-policy-keep-manifests   keep the run's manifest folder after exit (default: removed;
+                                    also TRUE_ON_POLICY_KEEP_MANIFESTS=1)
+"""
+
+
+class UsageError(ValueError):
+    """A malformed command line of ours (printed as ``error: ...``, exit 2)."""
+
+
+def _contract_name(value: str) -> str:
+    if not value or value.startswith("-"):
+        from true_on_policy.contract import known_contracts
+
+        raise UsageError(f"--true-on-policy-contract needs a contract name (known: {', '.join(known_contracts())})")
+    return value
+
+
+def print_help() -> None:
+    """Our flags, then SGLang's own help; builds nothing, reads no checkpoint."""
+    from true_on_policy.contract import known_contracts
+    from true_on_policy.launch_plan import sglang_parser
+
+    print(OWN_HELP.format(default=DEFAULT_CONTRACT, known=", ".join(known_contracts())))
+    sglang_parser().print_help()
+
+
 def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
     own = {"true_on_policy": False, "contract": DEFAULT_CONTRACT, "dry_run": False, "keep_manifests": False}
     rest, i = [], 0
@@ -36,11 +72,9 @@ def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
         elif a == "--true-on-policy-keep-manifests":
             own["keep_manifests"] = True
         elif a == "--true-on-policy-contract":
-            if i + 1 >= len(argv):
-                raise SystemExit("--true-on-policy-contract needs a contract name")
-            own["contract"], i = argv[i + 1], i + 1
+            own["contract"], i = _contract_name(argv[i + 1] if i + 1 < len(argv) else ""), i + 1
         elif a.startswith("--true-on-policy-contract="):
-            own["contract"] = a.split("=", 1)[1]
+            own["contract"] = _contract_name(a.split("=", 1)[1])
         else:
             rest.append(a)
         i += 1
@@ -134,7 +168,15 @@ def cuda_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, rest = split_own_flags(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
+    try:
+        own, rest = split_own_flags(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not own["true_on_policy"]:
         if own["dry_run"]:
             print("error: --dry-run checks a true-on-policy plan; add --true-on-policy", file=sys.stderr)

@@ -1,9 +1,11 @@
 """In-process (and Ray-actor) entry: ``sglang.Engine`` with a true-on-policy contract enforced.
 
 Importing this module needs neither a GPU nor SGLang; constructing the engine validates the
-configuration first (``PolicyError`` listing every violation, before any GPU work), exports the
-contract's environment, starts SGLang and checks that every scheduler process loaded the
-overlay under the same contract fingerprint.
+configuration first (``PolicyError`` listing every violation, model included, before any GPU work),
+raises ``NoGPUError`` on a machine without a CUDA GPU (before any folder or process exists), exports
+the contract's environment, starts SGLang and checks that every scheduler process loaded the
+overlay under the same contract fingerprint. A refused or failed start leaves ``os.environ`` as it
+found it.
 
     from true_on_policy.engine import TrueOnPolicyEngine
     with TrueOnPolicyEngine(model_path=..., tp_size=1) as eng:
@@ -19,6 +21,19 @@ from __future__ import annotations
 
 from true_on_policy import DEFAULT_CONTRACT, env
 
+NO_GPU = ("TrueOnPolicyEngine needs an NVIDIA GPU with CUDA; none is visible here, so nothing was started "
+          "(check a configuration without one: python -m launch.server --true-on-policy --dry-run <flags>)")
+
+
+class NoGPUError(RuntimeError):
+    """Raised by ``TrueOnPolicyEngine`` on a machine without a CUDA GPU, before anything starts."""
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
 
 class TrueOnPolicyEngine:
     def __init__(self, *, contract: str = DEFAULT_CONTRACT, keep_manifests: bool = False, **sglang_kwargs):
@@ -26,13 +41,16 @@ class TrueOnPolicyEngine:
         from true_on_policy.contract import get_contract
         from true_on_policy.launch_plan import apply_env, build_plan_from_kwargs, exported_env
 
-        self.contract = get_contract(contract)
-        sglang_kwargs.setdefault("log_level", "error")
-        self.plan = build_plan_from_kwargs(self.contract, sglang_kwargs)
+        saved = env.save()  # every failure below leaves the caller's environment as it was
         self.keep_manifests = keep_manifests or env.KEEP_MANIFESTS.is_true()
-        self.engine, self._previous_env = None, {}
-        self.manifest_dir = manifest.new_run_dir()
+        self.engine, self._previous_env, self.manifest_dir = None, {}, None
         try:
+            self.contract = get_contract(contract)
+            sglang_kwargs.setdefault("log_level", "error")
+            self.plan = build_plan_from_kwargs(self.contract, sglang_kwargs)
+            if not cuda_available():  # SGLang would start and take this interpreter down with it
+                raise NoGPUError(NO_GPU)
+            self.manifest_dir = manifest.new_run_dir()
             if not self.keep_manifests:
                 reaper.watch(self.manifest_dir)
             self._previous_env = apply_env(self.plan, self.manifest_dir)
@@ -41,14 +59,16 @@ class TrueOnPolicyEngine:
             import sglang
 
             self.engine = sglang.Engine(server_args=self.plan.server_args)
+            sa = self.plan.server_args
+            problems = manifest.check_schedulers(self.manifests(), sa.tp_size * sa.pp_size, self.contract.fingerprint)
+            if problems:
+                raise RuntimeError("true-on-policy engine refused: " + "; ".join(problems))
         except BaseException:
-            self.shutdown()
+            try:
+                self.shutdown()
+            finally:
+                env.restore_saved(saved)
             raise
-        sa = self.plan.server_args
-        problems = manifest.check_schedulers(self.manifests(), sa.tp_size * sa.pp_size, self.contract.fingerprint)
-        if problems:
-            self.shutdown()
-            raise RuntimeError("true-on-policy engine refused: " + "; ".join(problems))
 
     @property
     def server_args(self):

@@ -107,6 +107,22 @@ def restore(previous: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
+def save() -> dict[str, str]:
+    """A copy of this process's whole environment, for ``restore_saved`` on a failure path."""
+    return dict(os.environ)
+
+
+def restore_saved(saved: dict[str, str]) -> None:
+    """Put the environment back as ``save`` found it. SGLang's own argument resolution sets
+    variables too (``NCCL_ALGO`` at TP > 1, ...): a refused plan or a failed engine start leaves
+    none of them, nor ours, behind."""
+    for name in set(os.environ) - set(saved):
+        os.environ.pop(name, None)
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 def disable_overlay() -> None:
     """Stock mode: make sure no child inherits the overlay switch from the caller's shell."""
     os.environ.pop(ENABLED.name, None)

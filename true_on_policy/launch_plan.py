@@ -4,7 +4,11 @@
 embedded checkpoint when no ``--model-path`` is given, rejects user values that contradict a
 forced argument, appends the forced arguments, lets SGLang resolve the result
 (``prepare_server_args``) and validates the *resolved* object, the environment and the
-installed versions. Every violation is collected before one ``PolicyError`` is raised.
+installed versions. The checkpoint is checked first (``true_on_policy.model_check``: readable,
+covered, shardable at the requested TP/EP; again at the resolved TP/EP); when it is unreadable or
+refused, SGLang is not asked to resolve anything and only what can be checked without the model is
+added. Every violation is collected before one ``PolicyError`` is raised; a refused plan leaves the
+environment as it found it.
 """
 
 from __future__ import annotations
@@ -15,14 +19,15 @@ from dataclasses import dataclass, field
 
 from true_on_policy import env
 from true_on_policy.contract import Contract
+from true_on_policy.model_check import check_sharding
 from true_on_policy.policy import (
     PolicyError,
     Violation,
     check_args,
     check_env,
-    check_model,
     check_versions,
     member,
+    model_problems,
 )
 from true_on_policy.redact import redact, redact_text
 
@@ -130,7 +135,7 @@ def build_plan_from_kwargs(contract: Contract, kwargs: dict, environ=None) -> La
     forced = {r.dest: r.force for r in contract.args if r.forced}
     merged = {**kwargs, **forced}
     server_args = _resolve(contract, kwargs["model_path"], conflicts, environ,
-                           lambda: ServerArgs(**merged), lambda: argparse.Namespace(**merged))
+                           lambda: ServerArgs(**merged), lambda: _defaults_with(merged))
     return LaunchPlan(contract, [], forced, server_args, embedded, dict(contract.required_env()))
 
 
@@ -140,20 +145,42 @@ def _embedded_model() -> str:
     return tiny_model.ensure("embedded")
 
 
+def _defaults_with(kwargs: dict) -> argparse.Namespace:
+    """Unresolved engine arguments as the launcher sees them: SGLang's defaults, then the kwargs."""
+    ns = sglang_parser().parse_args(["--model-path", str(kwargs["model_path"])])
+    for name, value in kwargs.items():
+        setattr(ns, name, value)
+    return ns
+
+
 def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
     environ = os.environ if environ is None else environ
-    early = check_versions(contract) + check_env(contract, environ) + check_model(contract, model_path)
-    if early:  # SGLang cannot resolve arguments for a model it cannot read: report what we know
-        raise PolicyError(contract.name, early + conflicts + check_args(contract, unresolved()))
+    ns = unresolved()
+    cfg, model = model_problems(contract, model_path, getattr(ns, "tp_size", 1), getattr(ns, "ep_size", 1))
+    early = check_versions(contract) + check_env(contract, environ) + _violations(model)
+    if early:  # the model is unreadable or refused: report it with what can be checked without SGLang
+        raise PolicyError(contract.name, early + conflicts + check_args(contract, ns))
+    saved = env.save()  # SGLang's resolution writes os.environ (NCCL_ALGO at TP > 1): undone on refusal
     try:
         server_args = resolve()
     except Exception as e:  # noqa: BLE001 - SGLang's own refusal, reported with ours
+        env.restore_saved(saved)
         raise PolicyError(contract.name, conflicts + [Violation("sglang", f"refused the arguments ({e})",
                                                                 "fix the argument it names")]) from e
-    violations = conflicts + check_args(contract, server_args)
+    violations = conflicts + check_args(contract, server_args) + _violations(
+        check_sharding(cfg, server_args.tp_size, server_args.ep_size))  # the resolved layout
     if violations:
-        raise PolicyError(contract.name, violations)
+        env.restore_saved(saved)
+        raise PolicyError(contract.name, _unique(violations))
     return server_args
+
+
+def _violations(problems) -> list[Violation]:
+    return [Violation(p.subject, p.found, p.fix) for p in problems]
+
+
+def _unique(violations: list[Violation]) -> list[Violation]:
+    return list(dict.fromkeys(violations))
 
 
 def apply_env(plan: LaunchPlan, manifest_dir: str) -> dict[str, str | None]:

@@ -125,23 +125,26 @@ def read_architectures(model_path: str) -> list[str]:
     return list(AutoConfig.from_pretrained(model_path, local_files_only=True).architectures or [])
 
 
-def check_model(contract: Contract, model_path: str | None) -> list[Violation]:
+def check_model(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1) -> list[Violation]:
+    """The checkpoint at ``model_path`` under the contract and the rollout layout: one violation per
+    problem (``true_on_policy.model_check``, shared with the engine and the trainer)."""
+    return [Violation(p.subject, p.found, p.fix) for p in model_problems(contract, model_path, tp_size, ep_size)[1]]
+
+
+def model_problems(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1):
+    """``(config or None, problems)``; the config is None when the checkpoint cannot be read."""
+    from true_on_policy import model_check
+
     if not model_path:
-        return [Violation("--model-path", "missing", "pass a Qwen3-MoE checkpoint or omit it for the embedded one")]
-    try:
-        archs = read_architectures(model_path)
-    except Exception as e:  # noqa: BLE001 - any failure to read the config is one violation
-        return [Violation("--model-path", f"cannot read the model config of {model_path!r} ({e})",
-                          "pass a local Qwen3-MoE checkpoint folder")]
-    if not set(archs) & set(contract.architectures):
-        return [Violation("--model-path", f"architectures {archs} are not covered",
-                          f"use a {' / '.join(contract.architectures)} checkpoint ({contract.model_family})")]
-    return []
+        return None, [model_check.ModelProblem("--model-path", "missing", "pass a Qwen3-MoE checkpoint folder or "
+                                               "omit it for the embedded one")]
+    return model_check.check_checkpoint(str(model_path), contract.architectures, tp_size, ep_size)
 
 
 def check_all(contract: Contract, server_args, environ=None, installed=_installed) -> list[Violation]:
     return (check_versions(contract, installed) + check_env(contract, environ)
-            + check_model(contract, getattr(server_args, "model_path", None))
+            + check_model(contract, getattr(server_args, "model_path", None),
+                          getattr(server_args, "tp_size", 1), getattr(server_args, "ep_size", 1))
             + check_args(contract, server_args))
 
 

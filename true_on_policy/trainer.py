@@ -27,32 +27,25 @@ from true_on_policy.manifest import Manifest, PatchRecord
 
 ATTENTION_NAME = "true_on_policy"
 _STATE = "_true_on_policy_state"
-SUPPORTED_CLASSES = ("Qwen3MoeForCausalLM",)
 
 
 class TrainerPatchError(ValueError):
     """The model or request cannot be served under the contract (what and the alternative)."""
 
 
-def _check_model(model) -> list[str]:
-    problems = []
-    cls = type(model).__name__
-    if cls not in SUPPORTED_CLASSES:
-        problems.append(f"model class {cls} is not supported (supported: {', '.join(SUPPORTED_CLASSES)})")
+def _check_model(model, contract) -> list[str]:
+    """The launcher's and the engine's model check (``true_on_policy.model_check``) on this model's
+    config and class, plus what only a loaded model shows: every parameter bf16."""
+    from true_on_policy.model_check import check_config
+
+    problems = [str(p) for p in check_config(model.config, [type(model).__name__], contract.architectures)]
+    if type(model).__name__ not in contract.architectures:
         return problems
-    cfg = model.config
-    if getattr(cfg, "mlp_only_layers", []) or getattr(cfg, "decoder_sparse_step", 1) != 1:
-        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step != 1) are not in the contract")
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
-    if getattr(cfg, "attention_bias", False):
-        problems.append("attention_bias=True is not supported")
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-        problems.append("sliding-window attention is not supported")
     dt = {p.dtype for p in model.parameters()}
     if dt != {torch.bfloat16}:
-        problems.append(f"parameters must all be bfloat16 (load with torch_dtype=torch.bfloat16), found {sorted(map(str, dt))}")
+        problems.append(f"dtype: parameters are {sorted(map(str, dt))}, not all bfloat16 -> load with "
+                        "dtype=torch.bfloat16 (transformers 5; torch_dtype= is its old name) or call "
+                        "model.to(torch.bfloat16)")
     return problems
 
 
@@ -125,7 +118,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
     c = get_contract(contract)  # unknown name -> error listing the known contracts
     provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
     ops = providers.get(provider)
-    problems = _check_model(model)
+    problems = _check_model(model, c)
     if provider == "triton" and not next(model.parameters()).is_cuda:
         problems.append("provider 'triton' needs the model on a CUDA device (use provider='reference' on CPU)")
     if problems:
@@ -213,13 +206,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ``top_k`` / ``top_p`` / ``min_p`` (as the rollout sampled with them, e.g. from the model's
     generation_config.json): the log-prob under the truncated, renormalised distribution the
     rollout drew each token from (``kernels/sampling.truncate``), bitwise the rollout's report.
-    ``top_k=1`` is greedy and reports the untruncated log-prob, as the rollout does."""
+    ``top_k=1`` is greedy and reports the untruncated log-prob, as the rollout does.
+
+    Refused with ``TrainerPatchError`` listing every problem, before the forward: a non-integer or
+    out-of-vocabulary id, a sequence longer than ``max_position_embeddings``, a mask not shaped
+    like ``input_ids`` or not 0/1, a temperature that is not finite and > 0, bad top_k/top_p/min_p."""
     state = getattr(model, _STATE, None)
     if state is None:
         raise TrainerPatchError("token_logprobs needs a patched model: call patch_hf_model(model) first")
-    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise TrainerPatchError(f"input_ids must be [batch, seq >= 2], got {tuple(input_ids.shape)}")
-    problems = _sampling_problems(temperature, top_k, top_p, min_p)
+    problems = _input_problems(model, input_ids, attention_mask) + _sampling_problems(temperature, top_k, top_p, min_p)
     if problems:
         raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
     if attention_mask is not None:
@@ -236,11 +231,36 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return lp.view(b, s - 1)
 
 
+def _input_problems(model, input_ids, attention_mask) -> list[str]:
+    """Shape, dtype, vocabulary range and length of a request, checked before the forward (an
+    out-of-vocabulary id is an IndexError on CPU and a device-side assert on CUDA)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        return [f"input_ids must be a [batch, seq >= 2] tensor, got {tuple(getattr(input_ids, 'shape', ()))}"]
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        return [f"input_ids must hold integer token ids, got {input_ids.dtype}"]
+    out = []
+    vocab = model.get_input_embeddings().num_embeddings
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        out.append(f"input_ids must be token ids in [0, {vocab}), got ids from {int(input_ids.min())} to "
+                   f"{int(input_ids.max())}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] > limit:
+        out.append(f"sequences of {input_ids.shape[1]} positions exceed max_position_embeddings {limit}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != tuple(input_ids.shape)):
+        out.append(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                   f"{tuple(getattr(attention_mask, 'shape', ()))}")
+    elif attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        out.append("attention_mask must hold only 0 and 1")
+    return out
+
+
 def _sampling_problems(temperature, top_k, top_p, min_p) -> list[str]:
     import math
 
     out = []
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                             and temperature > 0):
         out.append(f"temperature must be a finite number > 0, got {temperature!r}")
     if top_k is not None and not (isinstance(top_k, int) and (top_k >= 1 or top_k == -1)):
         out.append(f"top_k must be -1 (all) or an int >= 1, got {top_k!r}")

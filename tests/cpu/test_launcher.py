@@ -95,3 +95,35 @@ def test_argparse_error_does_not_echo_a_secret(tiny_cache, clean_env, capsys):
         main(["--true-on-policy", "--dry-run", "--admin-key", "SECRET123"])
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and "SECRET123" not in err and "<redacted>" in err
+
+
+OUR_FLAGS = ("--true-on-policy", "--true-on-policy-contract", "--dry-run", "--true-on-policy-keep-manifests")
+
+
+def test_help_lists_our_flags_then_sglangs():
+    r = _launch("--help")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, _, sglang = r.stdout.partition("usage: python -m launch.server")
+    for flag in OUR_FLAGS:
+        assert f"  {flag} " in ours, ours
+    assert "--model-path" in sglang and "--tp-size" in sglang  # SGLang's own help follows
+
+
+def test_help_with_true_on_policy_builds_nothing(clean_env, tmp_path, capsys):
+    from launch.server import main
+
+    clean_env.setenv("TRUE_ON_POLICY_CACHE", str(tmp_path))  # the embedded checkpoint would be built here
+    assert main(["--true-on-policy", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {flag} " in out for flag in OUR_FLAGS) and "--model-path" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["--true-on-policy-contract"], ["--true-on-policy-contract", "--dry-run"],
+                                  ["--true-on-policy-contract="]])
+def test_contract_flag_without_a_name_is_a_usage_error(capsys, argv):
+    from launch.server import main
+
+    assert main(["--true-on-policy", *argv]) == 2
+    assert capsys.readouterr().err == ("error: --true-on-policy-contract needs a contract name (known: "
+                                       "qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1)\n")

@@ -179,6 +179,7 @@ def test_engine_removes_its_folder(tiny_cache, clean_env, tmp_path, monkeypatch,
     fp = get_contract("qwen3_moe_true_on_policy_v1").fingerprint
     fake = _FakeEngine(0 if case == "refused" else 1, fp, fail=case.startswith("failed"))
     monkeypatch.setattr(sglang, "Engine", fake)
+    monkeypatch.setattr("true_on_policy.engine.cuda_available", lambda: True)  # the fake needs no GPU
     if case == "started":
         eng = TrueOnPolicyEngine(mem_fraction_static=0.3)
         assert sorted(m["role"] for m in eng.manifests()) == ["engine", "scheduler"]

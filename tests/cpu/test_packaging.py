@@ -1,8 +1,10 @@
 """Packaging: our kernels/ never shadows Hugging Face's `kernels`; the tiny checkpoint builds."""
 
 import json
+from pathlib import Path
 
-from helpers import ROOT, run_py
+import pytest
+from helpers import ROOT, is_within, run_py
 
 
 def test_hf_kernels_not_shadowed_even_from_the_checkout_root():
@@ -10,12 +12,24 @@ def test_hf_kernels_not_shadowed_even_from_the_checkout_root():
             "print(kernels.__file__); print(list(ours.__path__)[0]); print(p.__file__)")
     r = run_py(code, cwd=ROOT)  # cwd (the checkout) is first on sys.path here
     assert r.returncode == 0, r.stderr[-2000:]
-    hf, ours, patches = r.stdout.split()
-    assert "site-packages" in hf and hf.endswith("kernels/__init__.py") and str(ROOT) not in hf
-    assert ours == str(ROOT / "kernels") and patches == str(ROOT / "patches" / "__init__.py")
+    hf, ours, patches = (Path(p) for p in r.stdout.split())
+    assert {"site-packages", "dist-packages"} & set(hf.parts) and hf.parts[-2:] == ("kernels", "__init__.py")
+    assert not is_within(hf, ROOT / "kernels"), hf  # Hugging Face's, wherever the venv sits (next to it, in it)
+    assert ours.resolve() == (ROOT / "kernels").resolve()
+    assert patches.resolve() == (ROOT / "patches" / "__init__.py").resolve()
     import kernels
 
     assert hasattr(kernels, "get_kernel")  # Hugging Face's API
+
+
+@pytest.mark.parametrize("path, root, inside", [
+    ("/x/proj-venv/lib/python3.11/site-packages/kernels/__init__.py", "/x/proj", False),  # venv beside the checkout
+    ("/x/proj/.venv/lib/python3.11/site-packages/kernels/__init__.py", "/x/proj", True),
+    ("/x/proj/kernels/rope.py", "/x/proj/", True),
+    ("/x/project/kernels/rope.py", "/x/proj", False),
+])
+def test_paths_compare_by_component(path, root, inside):
+    assert is_within(path, root) is inside
 
 
 def test_tiny_checkpoint_builds_once_and_loads(tiny_cache):

@@ -102,6 +102,7 @@ def test_refusals_list_every_problem(model):
     with pytest.raises(TrainerPatchError, match="bfloat16") as e:
         patch_hf_model(model, provider="triton")
     assert "CUDA" in str(e.value)  # both problems in one message
+    assert "load with dtype=torch.bfloat16" in str(e.value)  # transformers 5's name (torch_dtype= is the old one)
     model.bfloat16()
     patch_hf_model(model)
     ids = torch.stack(_seqs(4, [10, 10]))
@@ -125,3 +126,57 @@ def test_one_optimizer_step(model):
     assert not torch.equal(before, model.model.layers[0].mlp.experts.down_proj.detach())
     with torch.no_grad():
         assert -token_logprobs(model, ids).mean() < loss  # the step went downhill
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("T=inf", "temperature must be a finite number > 0, got inf"),
+    ("T=nan", "temperature must be a finite number > 0, got nan"),
+    ("T=True", "temperature must be a finite number > 0, got True"),
+    ("mask shape", "attention_mask must have the shape of input_ids (2, 10), got (2, 9)"),
+    ("mask values", "attention_mask must hold only 0 and 1"),
+    ("too long", "sequences of 4097 positions exceed max_position_embeddings 4096"),
+    ("id = vocab", "input_ids must be token ids in [0, 512), got ids from 0 to 512"),
+    ("negative id", "input_ids must be token ids in [0, 512), got ids from -1 to"),
+    ("float ids", "input_ids must hold integer token ids, got torch.float32"),
+])
+def test_token_logprobs_refuses_bad_requests(model, case, expect):
+    patch_hf_model(model)
+    ids, mask, t = torch.stack(_seqs(6, [10, 10])), None, 1.0
+    if case.startswith("T="):
+        t = {"T=inf": float("inf"), "T=nan": float("nan"), "T=True": True}[case]
+    elif case == "mask shape":
+        mask = torch.ones(2, 9, dtype=torch.long)
+    elif case == "mask values":
+        mask = torch.full((2, 10), 2)
+    elif case == "too long":
+        ids = torch.zeros(1, 4097, dtype=torch.long)
+    elif case == "id = vocab":
+        ids[0, 3], ids[0, 0] = 512, 0
+    elif case == "negative id":
+        ids[1, 5] = -1
+    elif case == "float ids":
+        ids = ids.float()
+    with pytest.raises(TrainerPatchError) as e:
+        token_logprobs(model, ids, mask, temperature=t)
+    assert expect in str(e.value), str(e.value)
+
+
+def test_token_logprobs_lists_every_request_problem_at_once(model):
+    patch_hf_model(model)
+    ids = torch.stack(_seqs(7, [10, 10]))
+    ids[0, 0] = 9999
+    with pytest.raises(TrainerPatchError) as e:
+        token_logprobs(model, ids, torch.ones(3, 10), temperature=float("inf"), top_p=2.0)
+    msg = str(e.value)
+    assert all(w in msg for w in ("input_ids must be token ids", "attention_mask must have the shape",
+                                  "temperature must be", "top_p must be")), msg
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 0.0, -1.0])
+def test_logprob_kernel_entry_refuses_non_finite_temperature(temperature):
+    from true_on_policy.kernels.logprobs import _check
+
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        _check(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), temperature, 8)
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        _check(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, temperature]), 8)
