@@ -43,9 +43,10 @@ def _check_model(model) -> list[str]:
     cfg = model.config
     if getattr(cfg, "mlp_only_layers", []) or getattr(cfg, "decoder_sparse_step", 1) != 1:
         problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step != 1) are not in the contract")
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+    try:  # default RoPE and YaRN: the same parser the rotary forward uses (kernels/rope.py)
+        providers._rope.rope_scaling(getattr(cfg, "rope_parameters", None), getattr(cfg, "max_position_embeddings", None))
+    except ValueError as e:
+        problems.append(str(e))
     if getattr(cfg, "attention_bias", False):
         problems.append("attention_bias=True is not supported")
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
@@ -81,7 +82,7 @@ def _norm_forward(self, x):
 
 def _rotary_forward(self, x, position_ids):
     pos = position_ids.reshape(-1)
-    cos, sin = providers._rope.cos_sin(pos, self._tp_head_dim, self._tp_theta)
+    cos, sin = providers._rope.cos_sin(pos, self._tp_head_dim, self._tp_theta, self._tp_rope_scaling)
     return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
 
 
@@ -141,6 +142,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    scaling = providers._rope.rope_scaling(rope, getattr(cfg, "max_position_embeddings", None))  # None or YaRN
     originals, replaced = [], []
 
     def put(module, fn, label):
@@ -159,7 +161,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
         elif cls == "Qwen3MoeSparseMoeBlock":
             put(mod, _moe_forward, name)
         elif cls.endswith("RotaryEmbedding"):
-            mod._tp_head_dim, mod._tp_theta = cfg.head_dim, theta
+            mod._tp_head_dim, mod._tp_theta, mod._tp_rope_scaling = cfg.head_dim, theta, scaling
             put(mod, _rotary_forward, name)
     put(model.lm_head, _lm_head_forward, "lm_head")
     manifest = Manifest(role="trainer:transformers", contract=c.name, fingerprint=c.fingerprint,
