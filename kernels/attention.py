@@ -244,8 +244,9 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     ``max_kv_len`` (optional host int, >= every sequence's key count): lets a launch with too few
     programs to fill the GPU split its segments over programs (split-KV). Same bits either way;
     in a split launch a sequence longer than it comes out NaN, never silently short. A split
-    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32: at most about
-    350 MB for a 40960-token bound, since it splits only while Tq x Hkv < 2 x SMs."""
+    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32, and splits only
+    while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token bound (D 128, 132 SMs),
+    2.3 GB x G/8 for a 262144-token one (SGLang passes its context length)."""
     tq, hq, d = q.shape
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
