@@ -56,7 +56,10 @@ def _mscale(factor: float, m: float = 1.0) -> float:
 
 def rope_scaling(params: dict | None, max_position_embeddings: int | None = None) -> Yarn | None:
     """A config's ``rope_parameters`` (transformers 5) or ``rope_scaling`` dict -> None (default
-    RoPE) or the ``Yarn`` both sides compute with; any other rope type -> ValueError."""
+    RoPE) or the ``Yarn`` both sides compute with; any other rope type -> ValueError. A yarn
+    config that transformers (the trainer) and SGLang 0.5.17's ``YaRNScalingRotaryEmbedding``
+    would read differently (no ``factor``, an ``attention_factor`` SGLang ignores, a zero beta or
+    mscale, SGLang-only keys) is refused too: every accepted config is one model on both sides."""
     params = dict(params or {})
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in ROPE_TYPES:
@@ -72,17 +75,43 @@ def rope_scaling(params: dict | None, max_position_embeddings: int | None = None
     original = params.get("original_max_position_embeddings")
     if not original:
         raise ValueError("yarn needs original_max_position_embeddings in rope_parameters")
+    hf, sgl = _read_yarn(params, max_position_embeddings, original)
+    differ = [f for f in Yarn.__dataclass_fields__ if getattr(hf, f) != getattr(sgl, f)]
+    if differ:
+        raise ValueError(f"yarn {', '.join(differ)}: transformers reads {[getattr(hf, f) for f in differ]}, SGLang "
+                         f"0.5.17 reads {[getattr(sgl, f) for f in differ]} from {params}; state factor explicitly, "
+                         "drop an attention_factor that is not 0.1*ln(factor)+1 (or the mscale ratio), and give "
+                         "beta_fast/beta_slow/mscale non-zero values")
+    return hf
+
+
+def _read_yarn(params: dict, max_position_embeddings, original) -> tuple[Yarn, Yarn]:
+    """(transformers 5's ``_compute_yarn_parameters`` reading, SGLang 0.5.17's ``get_rope`` +
+    ``YaRNScalingRotaryEmbedding`` reading) of a yarn dict, float64 as both compute it."""
     factor = params.get("factor")
-    if factor is None:
-        if not max_position_embeddings:
-            raise ValueError("yarn without factor needs max_position_embeddings")
-        factor = max_position_embeddings / original
-    scale = params.get("attention_factor")
-    if scale is None:
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        scale = float(_mscale(factor, m) / _mscale(factor, m_all)) if m and m_all else _mscale(factor)
-    return Yarn(float(factor), int(original), float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
-                bool(params.get("truncate", True)), float(scale))
+    if factor is None and not max_position_embeddings:
+        raise ValueError("yarn without factor needs max_position_embeddings")
+    hf_factor = factor if factor is not None else max_position_embeddings / original
+    sgl_factor = float("nan") if factor is None and "factor" in params else factor if "factor" in params else 1.0
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    hf_scale = params.get("attention_factor")
+    if hf_scale is None:
+        hf_scale = float(_mscale(hf_factor, m) / _mscale(hf_factor, m_all)) if m and m_all else _mscale(hf_factor)
+    sgl_scale = (float(_mscale(sgl_factor, m) / _mscale(sgl_factor, m_all)) if m is not None and m_all is not None
+                 else float(_mscale(sgl_factor)))
+    truncate = bool(params.get("truncate", True))
+
+    def beta(key, default, hf_rule):  # HF: ``get(key) or default``; SGLang: the key's value when present
+        v = params.get(key)
+        if hf_rule or key not in params:
+            return float(v or default)
+        return float("nan") if v is None else float(v)
+
+    hf = Yarn(float(hf_factor), int(original), beta("beta_fast", 32, True), beta("beta_slow", 1, True), truncate,
+              float(hf_scale))
+    sgl = Yarn(float(sgl_factor), int(original), beta("beta_fast", 32, False), beta("beta_slow", 1, False),
+               truncate, float(sgl_scale))
+    return hf, sgl
 
 
 def inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:

@@ -4,6 +4,7 @@ unchanged; SGLang's YaRN instance reads as the config does (else refused at buil
 types refused; the patched trainer runs YaRN."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -82,15 +83,24 @@ def test_default_rope_unchanged():
     ({"rope_type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attn_factor": 0.9}, "attn_factor"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    # read differently by transformers and SGLang 0.5.17: refused on both sides alike
+    ({"rope_type": "yarn", "original_max_position_embeddings": 64}, "yarn factor, attention_factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 0.8},
+     "yarn attention_factor"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 0}, "yarn beta_fast"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0, "mscale_all_dim": 0},
+     "yarn attention_factor"),
 ])
 def test_other_rope_types_refused(params, needle):
     with pytest.raises(ValueError, match=needle):
         rope_scaling(params, 4096)
 
 
-def test_yarn_factor_from_lengths_and_attention_factor():
-    y = rope_scaling({"rope_type": "yarn", "original_max_position_embeddings": 64, "attention_factor": 0.8}, 256)
-    assert y == Yarn(4.0, 64, 32.0, 1.0, True, 0.8)
+def test_yarn_attention_factor_accepted_when_both_sides_agree():
+    same = 0.1 * math.log(4.0) + 1.0  # what SGLang computes; transformers takes the given value
+    y = rope_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "attention_factor": same}, 256)
+    assert y == Yarn(4.0, 64, 32.0, 1.0, True, same)
 
 
 @pytest.fixture
@@ -123,14 +133,19 @@ def test_sglang_yarn_instance_reads_as_the_config(sglang_rope, d, max_pos, rope)
 
 
 def test_sglang_instances_refused_when_they_differ_or_are_other_classes(sglang_rope):
+    from true_on_policy.kernels.rope import _read_yarn
     from true_on_policy.patches.rope import check_built, rope_of
 
     from true_on_policy.patching import PatchError
 
     d, max_pos, rope = CONFIGS[1]
-    odd = dict(rope, attention_factor=0.8)  # SGLang's YaRN ignores attention_factor; transformers uses it
-    with pytest.raises(PatchError, match="would compute different models"):
-        check_built(sglang_rope(d, max_pos, odd), _config(d, max_pos, odd))
+    for odd in (dict(rope, attention_factor=0.8),  # SGLang's YaRN ignores attention_factor; transformers uses it
+                dict(rope, mscale=0, mscale_all_dim=0),  # SGLang: a ratio of 1; transformers: 0.1*ln(factor)+1
+                {k: v for k, v in rope.items() if k != "factor"}):  # SGLang: factor 1.0; transformers: 128/64
+        emb = sglang_rope(d, max_pos, odd)
+        assert rope_of(emb) == _read_yarn(odd, max_pos, 64)[1]  # our statement of SGLang's reading is SGLang's
+        with pytest.raises(PatchError, match="SGLang 0.5.17 reads"):  # (transformers 5 refuses a missing factor)
+            check_built(emb, types.SimpleNamespace(rope_parameters=odd, max_position_embeddings=max_pos))
     plain = {"rope_type": "default", "rope_theta": 1e6}
     check_built(sglang_rope(d, max_pos, plain), _config(d, max_pos, plain))
     with pytest.raises(PatchError, match="would compute different models"):  # a yarn config, a plain instance
