@@ -14,10 +14,19 @@ Math, per query (sequence b, absolute position p, query head h, KV head h // G):
 K/V of sequence b, position j live at row ``kv_index[b, j]`` of ``k_buf``/``v_buf`` [S, Hkv, D]:
 SGLang's token-indexed KV pool (``req_to_token`` rows) and a trainer's contiguous tensors
 (kv_index = b*L + j) go through the same code.
+Tiles: a tile holds TOK = BLOCK_M // G consecutive query tokens of one sequence times the G
+query heads of one KV head, row r = (token r // G, head r % G); for a group G that does not
+divide BLOCK_M (3, 5, 12, ...) rows r >= TOK * G are masked off (loaded as zeros, never stored).
+Any integer G = Hq / Hkv with 1 <= G <= BLOCK_M; head_dim 64 or 128.
 Invariance: segments and blocks sit at fixed absolute positions from 0 and every row carries its
-own state; a row never sees how many other queries share its tile. Keys after p are an exact
-no-op for that row (a = 1, P = 0; a wholly masked segment merges as x = 1, y = 0), so a query
-computed in a full prefill, after a cached prefix, or as a single decode step gets the same bits.
+own state; a row never sees how many other queries share its tile, nor which: each score and
+each P.V element of a row is a dot product of that row's q (or P) with keys (values) alone, the
+max/sum/merge steps are per row, and the tile's extent only decides how many key blocks are
+visited. Keys after p are an exact no-op for that row (a = 1, P = 0; a wholly masked segment
+merges as x = 1, y = 0), so a query computed in a full prefill, after a cached prefix, or as a
+single decode step -- next to whichever other tokens share its tile -- gets the same bits. For
+groups dividing BLOCK_M no row is masked: the tiles and their order are those of the dividing-only
+kernel, bit for bit.
 Split-KV: when a launch has too few (sequence, tile, KV head) programs to fill the GPU (decode of
 a few sequences), each segment runs in its own program, writes its fp32 state, and a second
 kernel merges the states in the same order with the same ``_merge`` -- the same operations on
@@ -91,6 +100,8 @@ def _rows(b, tile, kvh, Q_START, Q_LEN, Q_POS0, SEQ_LENS, G: tl.constexpr, BLOCK
     r = tl.arange(0, BLOCK_M)
     tok = tile * TOK + r // G
     row_ok = tok < n_q
+    if TOK * G < BLOCK_M:  # G does not divide BLOCK_M: the last BLOCK_M % G rows hold no query
+        row_ok = row_ok & (r < TOK * G)
     head = kvh * G + r % G
     pos = tl.where(row_ok, p0 + tok, p0)  # invalid rows see key 0 only (never stored)
     last = p0 + tl.minimum(n_q, (tile + 1) * TOK) - 1
@@ -195,6 +206,23 @@ def _merge_kernel(O, PART, PART_ML, Q_START, Q_LEN, Q_POS0, SEQ_LENS, nseg_max, 
              mask=row_ok[:, None])
 
 
+HEAD_DIMS = (64, 128)  # the head dims the tiles are built and tested for (every Qwen3-MoE checkpoint: 128)
+
+
+def _check_layout(hq: int, hkv: int, d: int) -> None:
+    """Refuse a head layout the kernel does not cover, naming what to change."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"attention: head_dim {d} is not supported (the contract's attention kernel covers head_dim "
+                         f"{' and '.join(map(str, HEAD_DIMS))} only); serve this checkpoint without the true-on-policy "
+                         "overlay, or use one with head_dim 64 or 128")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"attention: {hq} query heads cannot be grouped over {hkv} KV heads (Hq must be a "
+                         "multiple of Hkv); check num_attention_heads / num_key_value_heads and the TP degree")
+    if hq // hkv > BLOCK_M:
+        raise ValueError(f"attention: {hq // hkv} query heads per KV head exceed one {BLOCK_M}-row tile; use a TP "
+                         f"degree that leaves at most {BLOCK_M} query heads per KV head on a rank")
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -202,7 +230,9 @@ def _sm_count(index: int) -> int:
 
 def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None,
               max_kv_len: int | None = None, seq_lens=None):
-    """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D]; kv_index [B, L] (int32/int64 rows of
+    """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D] (D 64 or 128; query head h reads KV head
+    h // G, G = Hq / Hkv an integer <= 64: a TP rank passes its own heads, SGLang's replicated KV
+    head included); kv_index [B, L] (int32/int64 rows of
     the buffers; every position 0 .. q_pos0[b] + q_len[b] - 1 must be filled); q_start, q_len,
     q_pos0 [B] (first query row, query count, absolute position of the first query);
     ``max_q_len`` >= max(q_len) (a host int: sizes the grid without a device sync).
@@ -214,13 +244,12 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     ``max_kv_len`` (optional host int, >= every sequence's key count): lets a launch with too few
     programs to fill the GPU split its segments over programs (split-KV). Same bits either way;
     in a split launch a sequence longer than it comes out NaN, never silently short. A split
-    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32: at most about
-    350 MB for a 40960-token bound, since it splits only while Tq x Hkv < 2 x SMs."""
+    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32, and splits only
+    while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token bound (D 128, 132 SMs),
+    2.3 GB x G/8 for a 262144-token one (SGLang passes its context length)."""
     tq, hq, d = q.shape
+    _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
-    if hq % hkv or BLOCK_M % (hq // hkv) or d & (d - 1) or d < 16:
-        raise ValueError(f"attention: unsupported head layout Hq={hq}, Hkv={hkv}, D={d} (need Hq % Hkv == 0, "
-                         f"Hq/Hkv dividing {BLOCK_M}, D a power of two >= 16)")
     if k_buf.shape[1:] != (hkv, d) or v_buf.shape != k_buf.shape or q.dtype != k_buf.dtype:
         raise ValueError("attention: k_buf and v_buf must be [S, Hkv, D] in q's dtype")
     if q.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or kv_index.stride(-1) != 1:

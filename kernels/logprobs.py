@@ -1,16 +1,23 @@
 """Token log-probs: fp32 ``log_softmax(logits / T)`` over the full vocabulary, at given tokens;
-single-process and vocab-parallel forms with the same bits.
+single-process and vocab-parallel forms with the same bits, for any vocabulary size.
 
-Math, per row: z = fp32(logits) / T. The vocabulary is cut into V = 8 virtual shards
-[s*Vocab/8, (s+1)*Vocab/8). Per shard: m_s = max z (fixed VBLOCK chunks in vocabulary order),
-e_s = sum exp(z - m_s) (same chunks, fp32). Shards combine in the pairwise tree
-((0,1),(2,3)),((4,5),(6,7)) with (m, e) + (m', e') = (M, e*exp(m - M) + e'*exp(m' - M)),
-M = max(m, m'). lse = M + log(E); result = z[token] - lse.
+Math, per row: z = fp32(logits) / T. The vocabulary of V tokens is cut into 8 virtual shards of
+S = ceil(V/8) columns, shard s = [s*S, min((s+1)*S, V)) (the last ones shorter, or empty when
+V <= 7*S; V % 8 == 0 gives the equal shards V/8). Per shard: m_s = max z (fixed VBLOCK chunks in
+vocabulary order), e_s = sum exp(z - m_s) (same chunks, fp32); an empty shard is (-inf, 0).
+Shards combine in the pairwise tree ((0,1),(2,3)),((4,5),(6,7)) with (m, e) + (m', e') =
+(M, e*exp(m - M) + e'*exp(m' - M)), M = max(m, m') (exp taken against 0 when M = -inf, so an
+empty shard is an exact no-op). lse = M + log(E); result = z[token] - lse.
 Invariance: row i depends only on row i (one program per (row, shard); chunk order fixed; no
-dependence on the row count). A vocab-parallel degree t (1, 2, 4, 8) holds V/t whole shards:
-its shard statistics are all-gathered in fp32 and the same tree is finished, so TP changes
-nothing. The tree runs in ``_finish_kernel`` (elementwise over rows; one launch), used by
-both forms; ``_tree`` is its plain-torch statement for the tests.
+dependence on the row count). A vocab-parallel degree t (1, 2, 4, 8) holds 8/t whole shards:
+rank r's slice is columns [r*W, (r+1)*W), W = (8/t)*S, of the vocabulary padded to 8*S columns
+(no padding when V % 8 == 0); padded columns (>= V) are masked, never read into the softmax. Its
+shard statistics are all-gathered in fp32 and the same tree is finished, so TP changes nothing.
+SGLang never hands the sampler padded columns: ``LogitsProcessor`` all-gathers the vocab-parallel
+lm_head output (padded to a multiple of 64, or 64*tp) and slices it to ``vocab_size`` first, so
+the rollout runs the single-process form on exactly V columns. The tree runs in
+``_finish_kernel`` (elementwise over rows; one launch), used by both forms; ``_tree`` is its
+plain-torch statement for the tests.
 """
 
 from __future__ import annotations
@@ -31,22 +38,24 @@ def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, tempera
 
 
 @triton.jit
-def _shard_stats_kernel(L, STATS, TEMP, stride_l, SHARD, n_shards, VBLOCK: tl.constexpr):
+def _shard_stats_kernel(L, STATS, TEMP, stride_l, SHARD, VALID, n_shards, VBLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     T = tl.load(TEMP + row)
     base = L + row * stride_l + s * SHARD
+    n = tl.minimum(tl.maximum(VALID - s * SHARD, 0), SHARD)  # shard s's columns (fewer at the end)
     m = tl.full([VBLOCK], float("-inf"), tl.float32)
-    for start in range(0, SHARD, VBLOCK):
+    for start in range(0, n, VBLOCK):
         cols = start + tl.arange(0, VBLOCK)
-        z = tl.load(base + cols, mask=cols < SHARD, other=float("-inf")).to(tl.float32) / T
+        z = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32) / T
         m = tl.maximum(m, z)
     mx = tl.max(m, axis=0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)  # an empty shard: (-inf, 0)
     acc = tl.zeros([VBLOCK], dtype=tl.float32)
-    for start in range(0, SHARD, VBLOCK):
+    for start in range(0, n, VBLOCK):
         cols = start + tl.arange(0, VBLOCK)
-        z = tl.load(base + cols, mask=cols < SHARD, other=float("-inf")).to(tl.float32) / T
-        acc += tl.exp(z - mx)
+        z = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32) / T
+        acc += tl.exp(z - mx_use)
     tl.store(STATS + (row * n_shards + s) * 2, mx)
     tl.store(STATS + (row * n_shards + s) * 2 + 1, tl.sum(acc, axis=0))
 
@@ -54,7 +63,8 @@ def _shard_stats_kernel(L, STATS, TEMP, stride_l, SHARD, n_shards, VBLOCK: tl.co
 @triton.jit
 def _merge_stats(ma, ea, mb, eb):
     mm = tl.maximum(ma, mb)
-    return mm, ea * tl.exp(ma - mm) + eb * tl.exp(mb - mm)
+    mu = tl.where(mm == float("-inf"), 0.0, mm)  # two empty shards stay (-inf, 0)
+    return mm, ea * tl.exp(ma - mu) + eb * tl.exp(mb - mu)
 
 
 @triton.jit(do_not_specialize=["ROWS"])
@@ -94,7 +104,8 @@ def finish(stats: torch.Tensor, z_tok: torch.Tensor) -> torch.Tensor:
 def _merge(a, b):
     (ma, ea), (mb, eb) = a, b
     mm = torch.maximum(ma, mb)
-    return mm, ea * torch.exp(ma - mm) + eb * torch.exp(mb - mm)
+    mu = torch.where(mm == float("-inf"), 0.0, mm)
+    return mm, ea * torch.exp(ma - mu) + eb * torch.exp(mb - mu)
 
 
 def _tree(stats):
@@ -122,15 +133,26 @@ def token_z(logits: torch.Tensor, tokens: torch.Tensor, temp: torch.Tensor, offs
     return torch.where(mine, z, 0.0)
 
 
-def shard_stats(logits: torch.Tensor, temperature, n_shards: int) -> torch.Tensor:
-    """[rows, n_shards, 2] fp32 (max, sum of exp) per shard of this logits slice."""
-    rows, v = logits.shape
-    if v % n_shards:
-        raise ValueError(f"token_logprobs: vocabulary slice {v} must divide into {n_shards} shards")
+def shard_size(vocab: int) -> int:
+    """Columns per virtual shard: ceil(vocab / 8) (the last shards shorter)."""
+    return triton.cdiv(vocab, SHARDS)
+
+
+def shard_stats(logits: torch.Tensor, temperature, n_shards: int, shard: int | None = None,
+                valid: int | None = None) -> torch.Tensor:
+    """[rows, n_shards, 2] fp32 (max, sum of exp) of the shards of this logits slice: shard s is
+    columns [s*shard, min((s+1)*shard, valid)), empty -> (-inf, 0). Defaults: the whole slice is
+    the vocabulary (shard = ceil(width / n_shards), valid = width); columns >= valid are never read."""
+    rows, width = logits.shape
+    shard = triton.cdiv(width, n_shards) if shard is None else shard
+    valid = width if valid is None else valid
+    if not (0 <= valid <= width and valid <= n_shards * shard):
+        raise ValueError(f"token_logprobs: {valid} valid columns do not fit {n_shards} shards of {shard} "
+                         f"in a slice of {width}")
     stats = torch.empty(rows, n_shards, 2, dtype=torch.float32, device=logits.device)
     if rows:
         _shard_stats_kernel[(rows, n_shards)](logits, stats, temperatures(temperature, rows, logits.device),
-                                              logits.stride(0), v // n_shards, n_shards, VBLOCK=VBLOCK)
+                                              logits.stride(0), shard, valid, n_shards, VBLOCK=VBLOCK)
     return stats
 
 
@@ -142,29 +164,47 @@ def _check(logits, tokens, temperature, vocab):
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
     if not bool(((t > 0) & torch.isfinite(t)).all()):
         raise ValueError(f"token_logprobs: temperature must be finite and > 0, got {temperature}")
-    if vocab % SHARDS:
-        raise ValueError(f"token_logprobs: vocabulary {vocab} must be a multiple of {SHARDS} (pad it)")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError("token_logprobs: token id out of the vocabulary")
 
 
+def _layout(width: int, world: int, vocab: int | None) -> tuple[int, int]:
+    """(vocabulary size, shard size) of a [rows, width] slice at vocab-parallel degree ``world``."""
+    vocab = width * world if vocab is None else int(vocab)
+    shard = shard_size(vocab)
+    if vocab < 1 or (world == 1 and width < vocab):
+        raise ValueError(f"token_logprobs: logits of {width} columns cannot hold a vocabulary of {vocab}")
+    if world > 1 and width != (SHARDS // world) * shard:
+        raise ValueError(f"token_logprobs: at vocab-parallel degree {world} each rank must hold {SHARDS // world} "
+                         f"whole shards of {shard} columns ({SHARDS // world * shard}: the vocabulary of {vocab} "
+                         f"padded to {SHARDS * shard} = 8 * ceil({vocab} / 8) and split evenly), got {width}; pad "
+                         f"the lm_head to {SHARDS * shard} rows, or all-gather the logits and slice them to {vocab} "
+                         "as SGLang does")
+    return vocab, shard
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, group=None,
-                   validate: bool = True) -> torch.Tensor:
-    """logits [rows, Vocab/t] (this rank's contiguous slice; any float dtype; rows may be
+                   validate: bool = True, vocab: int | None = None) -> torch.Tensor:
+    """logits [rows, width] (this rank's contiguous slice; any float dtype; rows may be
     strided), tokens [rows] (global ids), temperature a float or an fp32 tensor [rows] -> fp32
     [rows], identical for every vocab-parallel degree t.
+    ``vocab``: the real vocabulary size when the slices carry padding (default: width * t, none).
+    One process: width >= vocab, columns >= vocab ignored. Degree t: width = (8/t) * ceil(vocab/8).
     ``validate=False`` skips the token-range check (it syncs the device; CUDA graphs need that)."""
     world = _world(group)
     if world not in (1, 2, 4, 8):
         raise ValueError(f"token_logprobs: vocab-parallel degree must divide {SHARDS}, got {world}")
-    vocab = logits.shape[1] * world
+    width = logits.shape[1]
+    vocab, shard = _layout(width, world, vocab)
     if validate:
         _check(logits, tokens, temperature, vocab)
     temp = temperatures(temperature, logits.shape[0], logits.device)
-    stats = shard_stats(logits, temp, SHARDS // world)
     if world > 1:
-        z_tok = sum_exact(token_z(logits, tokens, temp, rank_in(group) * logits.shape[1]), group)  # one holder
+        offset = rank_in(group) * width
+        stats = shard_stats(logits, temp, SHARDS // world, shard, min(max(vocab - offset, 0), width))
+        z_tok = sum_exact(token_z(logits, tokens, temp, offset), group)  # one holder
         stats = torch.cat(gather_stacked(stats, group).unbind(0), dim=1)
     else:
+        stats = shard_stats(logits, temp, SHARDS, shard, vocab)
         z_tok = token_z(logits, tokens, temp)
     return finish(stats, z_tok)

@@ -1,9 +1,25 @@
 """Rotary position embedding (neox / rotate-half order, Qwen3): one cos/sin builder, one apply.
 
-Math: inv_freq[i] = 1 / theta ** (fp32(2i) / d)   (computed as Hugging Face does, in fp32)
+Math (default RoPE):
+      inv_freq[i] = 1 / theta ** (fp32(2i) / d)   (computed as Hugging Face does, in fp32)
       f = fp32(position) * inv_freq[i];  cos = cos(f), sin = sin(f)        (fp32, torch)
       out[i]       = bf16(x[i] * cos[i] - x[i + d/2] * sin[i])              (fp32, one rounding)
       out[i + d/2] = bf16(x[i + d/2] * cos[i] + x[i] * sin[i])
+YaRN (``rope_type: "yarn"``; transformers' ``_compute_yarn_parameters``, the trainer's
+reference, op for op -- SGLang's ``YaRNScalingRotaryEmbedding`` computes the same inv_freq):
+      p[i] = fp32(theta ** (fp32(2i) / d));  extra = 1 / p;  inter = 1 / fp32(factor * p)
+      (low, high) = the correction range in float64 from beta_fast, beta_slow, d, theta and
+                    original_max_position_embeddings (floor/ceil when truncate), clamped to [0, d-1]
+      ramp[i] = clamp(fp32(fp32(i) - low) / fp32(high - low), 0, 1);  e = 1 - ramp
+      inv_freq = fp32(fp32(inter * fp32(1 - e)) + fp32(extra * e))        (each op rounded to fp32)
+      cos = fp32(cos(f) * fp32(mscale)), sin likewise, mscale = attention_factor if given, else
+            (0.1 * mscale * ln(factor) + 1) / (0.1 * mscale_all_dim * ln(factor) + 1) when both are
+            set, else 0.1 * ln(factor) + 1 (float64, then one fp32 multiply -- HF's
+            ``emb.cos() * attention_scaling``); apply as above.
+Every op is elementwise, on the positions' device, with IEEE-rounded fp32 ops (the ramp divides
+by a tensor, so CUDA does not turn it into a reciprocal multiply); only ``pow`` and cos/sin are
+the device's own functions, as in the default formula. On the CPU the inv_freq and cos/sin are
+bitwise transformers'. fp32 positions are exact up to 2^24 (contexts of 262144 are fine).
 ``cos_sin`` runs in torch on the activations' device (elementwise: a position's values never
 depend on which other positions are in the call, so a cache built once and a table built per
 step agree bit for bit on one device). ``apply_rope`` is elementwise too.
@@ -11,21 +27,132 @@ step agree bit for bit on one device). ``apply_rope`` is elementwise too.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_T = 16  # tokens per program; elementwise, the tile size changes no bit
+ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN parameters, resolved with transformers' defaults (``rope_scaling`` builds them)."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # the cos/sin multiplier (HF ``attention_scaling``, SGLang ``mscale``)
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def rope_scaling(params: dict | None, max_position_embeddings: int | None = None) -> Yarn | None:
+    """A config's ``rope_parameters`` (transformers 5) or ``rope_scaling`` dict -> None (default
+    RoPE) or the ``Yarn`` both sides compute with; any other rope type -> ValueError. A yarn
+    config that transformers (the trainer) and SGLang 0.5.17's ``YaRNScalingRotaryEmbedding``
+    would read differently (no ``factor``, an ``attention_factor`` SGLang ignores, a zero beta or
+    mscale, SGLang-only keys) is refused too: every accepted config is one model on both sides."""
+    params = dict(params or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_type {kind!r} is not in the contract (supported: {', '.join(ROPE_TYPES)})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not in the contract (full-width RoPE only)")
+    if kind == "default":
+        return None
+    foreign = [k for k in ("attn_factor", "extrapolation_factor") if params.get(k, 1) != 1]
+    if foreign:
+        raise ValueError(f"yarn {', '.join(foreign)} is read by SGLang but not by transformers (the trainer): "
+                         "drop it, or express it as attention_factor")
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("yarn needs original_max_position_embeddings in rope_parameters")
+    hf, sgl = _read_yarn(params, max_position_embeddings, original)
+    differ = [f for f in Yarn.__dataclass_fields__ if getattr(hf, f) != getattr(sgl, f)]
+    if differ:
+        raise ValueError(f"yarn {', '.join(differ)}: transformers reads {[getattr(hf, f) for f in differ]}, SGLang "
+                         f"0.5.17 reads {[getattr(sgl, f) for f in differ]} from {params}; state factor explicitly, "
+                         "drop an attention_factor that is not 0.1*ln(factor)+1 (or the mscale ratio), and give "
+                         "beta_fast/beta_slow/mscale non-zero values")
+    return hf
+
+
+def _read_yarn(params: dict, max_position_embeddings, original) -> tuple[Yarn, Yarn]:
+    """(transformers 5's ``_compute_yarn_parameters`` reading, SGLang 0.5.17's ``get_rope`` +
+    ``YaRNScalingRotaryEmbedding`` reading) of a yarn dict, float64 as both compute it."""
+    factor = params.get("factor")
+    if factor is None and not max_position_embeddings:
+        raise ValueError("yarn without factor needs max_position_embeddings")
+    hf_factor = factor if factor is not None else max_position_embeddings / original
+    sgl_factor = float("nan") if factor is None and "factor" in params else factor if "factor" in params else 1.0
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    hf_scale = params.get("attention_factor")
+    if hf_scale is None:
+        hf_scale = float(_mscale(hf_factor, m) / _mscale(hf_factor, m_all)) if m and m_all else _mscale(hf_factor)
+    sgl_scale = (float(_mscale(sgl_factor, m) / _mscale(sgl_factor, m_all)) if m is not None and m_all is not None
+                 else float(_mscale(sgl_factor)))
+    truncate = bool(params.get("truncate", True))
+
+    def beta(key, default, hf_rule):  # HF: ``get(key) or default``; SGLang: the key's value when present
+        v = params.get(key)
+        if hf_rule or key not in params:
+            return float(v or default)
+        return float("nan") if v is None else float(v)
+
+    hf = Yarn(float(hf_factor), int(original), beta("beta_fast", 32, True), beta("beta_slow", 1, True), truncate,
+              float(hf_scale))
+    sgl = Yarn(float(sgl_factor), int(original), beta("beta_fast", 32, False), beta("beta_slow", 1, False),
+               truncate, float(sgl_scale))
+    return hf, sgl
 
 
 def inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
 
-def cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """positions [T] (int) -> (cos, sin), each fp32 [T, head_dim/2]."""
-    f = positions.float()[:, None] * inv_freq(head_dim, theta, positions.device)[None, :]
-    return f.cos(), f.sin()
+def _correction_range(y: Yarn, dim: int, theta: float) -> tuple[float, float]:
+    def at(rotations):  # the dimension index where a wavelength makes `rotations` turns over the context
+        return (dim * math.log(y.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = at(y.beta_fast), at(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, y: Yarn, device=None) -> torch.Tensor:
+    """fp32 [head_dim/2]: transformers' YaRN inverse frequencies (module docstring), on ``device``."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (y.factor * pos_freqs)
+    low, high = _correction_range(y, head_dim, theta)
+    if low == high:
+        high += 0.001  # HF: prevent a singular ramp
+    half = head_dim // 2
+    span = torch.full((half,), high - low, dtype=torch.float32, device=device)  # fp32(high - low), a tensor
+    ramp = torch.clamp((torch.arange(half, dtype=torch.float32, device=device) - low) / span, 0, 1)
+    e = 1 - ramp  # HF's inv_freq_extrapolation_factor
+    return interpolation * (1 - e) + extrapolation * e
+
+
+def cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: Yarn | None = None):
+    """positions [T] (int) -> (cos, sin), each fp32 [T, head_dim/2]; ``scaling`` None (default
+    RoPE) or ``Yarn`` (``rope_scaling(config.rope_parameters)``)."""
+    dev = positions.device
+    inv = inv_freq(head_dim, theta, dev) if scaling is None else yarn_inv_freq(head_dim, theta, scaling, dev)
+    f = positions.float()[:, None] * inv[None, :]
+    cos, sin = f.cos(), f.sin()
+    if scaling is not None and scaling.attention_factor != 1.0:  # x 1.0 is exact: skipped
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos, sin
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

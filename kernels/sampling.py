@@ -19,8 +19,8 @@ Math, per row r with temperature T, seed s (int64), position p (the row's positi
 - Reported log-prob: logq_token, the very value the draw used.
 
 Invariance: row r depends only on row r's logits and (T, s, p, top_k, top_p, min_p). The draw
-reads the vocabulary in 8 fixed shards of fixed 4096-wide chunks; shard winners are combined in
-shard order; nothing depends on the row count. The truncation is torch (``torch.sort`` stable,
+reads the vocabulary (any size V) in the 8 fixed shards of ceil(V/8) columns of ``kernels/logprobs``,
+in fixed 4096-wide chunks; shard winners are combined in shard order; nothing depends on the row count. The truncation is torch (``torch.sort`` stable,
 ``torch.cumsum`` in fp64, one row at a time in the same way whatever the batch); it has no
 separate Triton form.
 """

@@ -37,16 +37,29 @@ def _check(backend, layer, causal=True, soft_cap=0.0, sinks=None, score_mod=None
         raise PatchError(f"true-on-policy attention: not in the contract: {', '.join(bad)}")
 
 
+def _rank_heads(layer, k_buf):
+    """This rank's (query heads, KV heads, head_dim). SGLang shards heads per TP rank
+    (``Qwen3MoeAttention``/``QKVParallelLinear``): Hq/tp query heads; Hkv/tp KV heads when
+    tp <= Hkv, else one KV head replicated on tp/Hkv ranks (rank r holds KV head r // (tp/Hkv)).
+    Either way local query head i reads local KV head i // (Hq_local / Hkv_local) -- the global
+    GQA pairing -- which is the kernel's mapping with G = Hq_local / Hkv_local."""
+    hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+    if hkv < 1 or hq % hkv or k_buf[0].numel() != hkv * d:
+        raise PatchError(f"true-on-policy attention: layer {layer.layer_id} has {hq} query / {hkv} KV heads of dim "
+                         f"{d} on this rank, its KV pool holds {tuple(k_buf.shape[1:])} per token")
+    return hq, hkv, d
+
+
 def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len, seq_lens=None):
     from true_on_policy.kernels.attention import attention
 
     pool = backend.token_to_kv_pool
     k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-    hq, d = layer.tp_q_head_num, layer.qk_head_dim
+    hq, hkv, d = _rank_heads(layer, k_buf)
     rows = forward_batch.req_pool_indices
     # req_to_token's width bounds every sequence's length: lets a small batch split its KV
     # segments over programs (same bits, kernels/attention.py)
-    out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], -1, d), v_buf.view(v_buf.shape[0], -1, d),
+    out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], hkv, d), v_buf.view(v_buf.shape[0], hkv, d),
                     backend.req_to_token, q_start, q_len, q_pos0, max_q_len, layer.scaling,
                     kv_rows=rows if seq_lens is None else rows[:seq_lens.shape[0]],
                     max_kv_len=backend.req_to_token.shape[1], seq_lens=seq_lens)

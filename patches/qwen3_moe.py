@@ -6,7 +6,8 @@
    fused K/V write and the fused qk-norm+RoPE off per instance; ``forward_core`` then saves K/V
    itself (both call sites read the same flag). The same hook asserts that the layer's rotary
    embedding is bound to the contract's RoPE (patches/rope.py), i.e. that the patches were in
-   place before the model was built.
+   place before the model was built, and that its class and YaRN parameters are the ones the
+   trainer reads from the config (``patches.rope.check_built``).
 2. The sparse MoE block: ``forward_normal`` (router GEMM, fused top-k, Triton fused experts with
    the routed weight folded into GEMM2 and a bf16 per-slot rounding, ``moe_sum_reduce``) is
    replaced by ``kernels.moe.moe``: fp32 router softmax with lower-id ties, per-expert
@@ -39,6 +40,9 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
         raise PatchError(f"{ATTENTION_INIT}: rotary embedding {type(getattr(self, 'rotary_emb', None)).__name__} "
                          "is not bound to the contract's RoPE (patch applied after the model was built, or an "
                          "unsupported rope_scaling)")
+    from true_on_policy.patches.rope import check_built
+
+    check_built(self.rotary_emb, getattr(self, "config", None))  # class and parameters (YaRN) as the trainer's
 
 
 def tpo_moe_forward_normal(self, hidden_states):

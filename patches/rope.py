@@ -5,7 +5,16 @@ instance's forward at construction, and runs a ``torch.compile``d bf16 formula o
 cache computed on the CPU. The contract builds fp32 cos/sin from the positions on the
 activations' device and applies them in fp32 with one rounding -- the trainer does the same.
 We replace ``forward_native`` on the class before the model is built; the Qwen3-MoE attention
-hook (patches/qwen3_moe.py) asserts every layer's rotary embedding is bound to it.
+hook (patches/qwen3_moe.py) asserts every layer's rotary embedding is bound to it and calls
+``check_built``.
+
+Scaled rotary classes inherit ``forward_native``, so the replacement reads the instance's own
+parameters: ``RotaryEmbedding`` is default RoPE, ``YaRNScalingRotaryEmbedding`` is YaRN (factor,
+original max positions, beta_fast/slow, truncate, its mscale), every other subclass (linear,
+dynamic NTK, llama3, longrope, ...) is refused -- never silently plain RoPE. ``check_built``
+compares the instance with the model config read by transformers' rules (what the trainer
+computes), so a config SGLang reads differently (e.g. ``attention_factor``, which SGLang's YaRN
+ignores) is refused when the model is built.
 """
 
 from __future__ import annotations
@@ -16,16 +25,57 @@ from true_on_policy.patching import PatchError, replacing, wrap
 FORWARD_NATIVE = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
 
 
+def rope_of(emb):
+    """The contract's rope scaling of SGLang rotary embedding ``emb``, read from the instance:
+    None for ``RotaryEmbedding``, a ``kernels.rope.Yarn`` for ``YaRNScalingRotaryEmbedding``."""
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.layers.rotary_embedding.yarn import YaRNScalingRotaryEmbedding
+    from true_on_policy.kernels.rope import Yarn
+
+    cls = type(emb)
+    if emb.rotary_dim != emb.head_size or not emb.is_neox_style:
+        raise PatchError(f"{FORWARD_NATIVE}: only full-width neox RoPE is in the contract")
+    if cls is RotaryEmbedding:
+        return None
+    if cls is YaRNScalingRotaryEmbedding:
+        if emb.extrapolation_factor != 1:
+            raise PatchError(f"{FORWARD_NATIVE}: yarn extrapolation_factor {emb.extrapolation_factor} is not in "
+                             "the contract (transformers has no such parameter)")
+        return Yarn(float(emb.scaling_factor), int(emb.max_position_embeddings), float(emb.beta_fast),
+                    float(emb.beta_slow), bool(emb.truncate), float(emb.mscale))
+    raise PatchError(f"{FORWARD_NATIVE}: rotary embedding {cls.__module__}.{cls.__qualname__} is not in the "
+                     "contract (default RoPE and YaRN are); it would run as plain RoPE")
+
+
+def check_built(emb, config) -> None:
+    """At model build: ``emb`` is a supported class and, with the model ``config`` at hand, its
+    parameters equal the config's under transformers' rules (``kernels.rope.rope_scaling``)."""
+    from true_on_policy.kernels.rope import rope_scaling
+
+    mine = rope_of(emb)
+    if config is None:
+        return
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    try:
+        want = rope_scaling(params, getattr(config, "max_position_embeddings", None))
+    except ValueError as e:
+        raise PatchError(f"{FORWARD_NATIVE}: {e}") from None
+    if want != mine or (theta is not None and float(theta) != float(emb.base)):
+        raise PatchError(f"{FORWARD_NATIVE}: SGLang built {type(emb).__name__}(base={emb.base}, {mine}) but "
+                         f"transformers reads the config as (rope_theta={theta}, {want}); rollout and trainer "
+                         "would compute different models")
+
+
 def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
     from true_on_policy.kernels.rope import apply_rope, cos_sin
 
     if fused_set_kv_buffer_arg is not None or offsets is not None:
         raise PatchError(f"{FORWARD_NATIVE}: fused K/V write and offsets are not in the contract")
-    if self.rotary_dim != self.head_size or not self.is_neox_style:
-        raise PatchError(f"{FORWARD_NATIVE}: only full-width neox RoPE is in the contract")
+    scaling = rope_of(self)
     pos = positions.reshape(-1)
     n, d = pos.shape[0], self.head_size
-    cos, sin = cos_sin(pos, d, float(self.base))
+    cos, sin = cos_sin(pos, d, float(self.base), scaling)
     q = apply_rope(query.reshape(n, -1, d).contiguous(), cos, sin).view(query.shape)
     k = apply_rope(key.reshape(n, -1, d).contiguous(), cos, sin).view(key.shape)
     return q, k
@@ -34,4 +84,5 @@ def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=
 def apply(policy) -> PatchRecord:
     rep = wrap(FORWARD_NATIVE, replacing(tpo_rope))
     return PatchRecord.of("rope", [rep],
-                          ["fp32 cos/sin from positions (kernels.rope.cos_sin), fp32 apply, one rounding"])
+                          ["fp32 cos/sin from positions (kernels.rope.cos_sin; YaRN from the instance's parameters), "
+                           "fp32 apply, one rounding; other rotary classes refused"])

@@ -123,6 +123,13 @@ def check_config(cfg, architectures, supported=("Qwen3MoeForCausalLM",), tp_size
             "the contract covers default RoPE and YaRN only (rope_scaling null or rope_type 'yarn')")
     elif rope_type == "yarn" and not (isinstance(rope.get("factor"), (int, float)) and rope["factor"] >= 1):
         say("rope_scaling", f"YaRN factor {rope.get('factor')!r} is not a number >= 1", "set factor (e.g. 4.0)")
+    elif rope_type == "yarn":
+        from true_on_policy.kernels.rope import rope_scaling  # the parser both sides compute with
+
+        try:
+            rope_scaling(rope, getattr(cfg, "max_position_embeddings", None))
+        except ValueError as e:
+            say("rope_scaling", str(e), "state the YaRN parameters so transformers and SGLang read them alike")
     partial = getattr(cfg, "partial_rotary_factor", None)
     if partial is None:
         partial = rope.get("partial_rotary_factor", 1.0)

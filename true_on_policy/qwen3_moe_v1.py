@@ -29,9 +29,18 @@ NUMERICS = (
                "tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); TP=t computes its subtree, subtree roots "
                "all-gathered in fp32 and finished in rank order (reduce-scatter form for SP)",
                ("one rounding of the tree root to bf16",)),
-    OpNumerics("rope", ("q", "k"), _K + "rope", "bf16 q/k; fp32 inv_freq = 1/theta^(2i/d)", "fp32",
-               "cos/sin built in fp32 from positions * inv_freq; rotate-half (neox) order",
-               ("q/k upcast to fp32, x*cos + rotate_half(x)*sin in fp32, rounded once to bf16",)),
+    OpNumerics("rope", ("q", "k"), _K + "rope",
+               "bf16 q/k; fp32 inv_freq = 1/theta^(2i/d) (default) or YaRN's (rope_type yarn: factor, "
+               "original_max_position_embeddings, beta_fast/beta_slow, truncate, attention_factor/mscale; "
+               "transformers' _compute_yarn_parameters op for op); other rope types refused", "fp32",
+               "cos/sin built in fp32 from fp32(positions) * inv_freq on the activations' device (exact positions "
+               "up to 2^24); rotate-half (neox) order",
+               ("YaRN inv_freq: p = theta^(2i/d), extra = 1/p, inter = 1/(factor*p), (low, high) the float64 "
+                "correction range (floor/ceil when truncate), ramp = clamp((i - low)/(high - low), 0, 1) with a true "
+                "division, e = 1 - ramp, inv_freq = inter*(1 - e) + extra*e; each op rounded to fp32",
+                "YaRN cos/sin times fp32(attention_factor) once (given, else the mscale/mscale_all_dim ratio, else "
+                "0.1*ln(factor) + 1, in float64)",
+                "q/k upcast to fp32, x*cos + rotate_half(x)*sin in fp32, rounded once to bf16")),
     OpNumerics("attention", ("self_attn",), _K + "attention", "bf16 q, bf16 K/V (paged or contiguous)",
                "fp32", "per (query, head): keys cut into fixed 128-key segments at absolute positions "
                "from 0; each segment an online softmax from a fresh state over 64-key blocks; segment "
@@ -63,9 +72,10 @@ NUMERICS = (
                ("the reported log-prob is the logq value the draw used",
                 "input log-probs: token_logprob at T = 1 (untruncated)")),
     OpNumerics("token_logprob", ("sampler", "trainer loss"), _K + "logprobs", "fp32 logits", "fp32",
-               "log_softmax(logits / T) over the full vocabulary: 8 virtual vocab shards, each max "
-               "then sum of exp in fixed 4096 blocks; shard (max, sum) pairs combined in a fixed pairwise "
-               "tree (vocab-parallel ranks hold whole shards)",
+               "log_softmax(logits / T) over the full vocabulary: 8 virtual vocab shards of ceil(V/8) columns "
+               "(the last shorter or empty; any V), each max then sum of exp in fixed 4096 blocks; shard (max, sum) "
+               "pairs combined in a fixed pairwise tree, an empty shard (-inf, 0) an exact no-op (vocab-parallel "
+               "ranks hold whole shards of the vocabulary padded to 8*ceil(V/8); padding never read)",
                ("logits/T in fp32", "result fp32, gathered at the sampled token")),
 )
 

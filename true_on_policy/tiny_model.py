@@ -28,7 +28,13 @@ EMBEDDED = dict(
 WIDE = dict(EMBEDDED, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, head_dim=128, num_experts=16, num_experts_per_tok=4,
             moe_intermediate_size=96, seed=1)
-GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE}
+# Layouts of issue 13, each on the embedded geometry: YaRN with a small original context (prompts
+# run past it), a head group that does not divide the 64-row attention tile, an odd vocabulary.
+YARN = dict(EMBEDDED, max_position_embeddings=1024, seed=2,
+            rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64})
+GROUP3 = dict(EMBEDDED, num_attention_heads=6, num_key_value_heads=2, seed=3)
+VOCAB3001 = dict(EMBEDDED, vocab_size=3001, seed=4)
+GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -74,7 +74,7 @@ def _norm_forward(self, x):
 
 def _rotary_forward(self, x, position_ids):
     pos = position_ids.reshape(-1)
-    cos, sin = providers._rope.cos_sin(pos, self._tp_head_dim, self._tp_theta)
+    cos, sin = providers._rope.cos_sin(pos, self._tp_head_dim, self._tp_theta, self._tp_rope_scaling)
     return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
 
 
@@ -134,6 +134,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    scaling = providers._rope.rope_scaling(rope, getattr(cfg, "max_position_embeddings", None))  # None or YaRN
     originals, replaced = [], []
 
     def put(module, fn, label):
@@ -152,7 +153,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
         elif cls == "Qwen3MoeSparseMoeBlock":
             put(mod, _moe_forward, name)
         elif cls.endswith("RotaryEmbedding"):
-            mod._tp_head_dim, mod._tp_theta = cfg.head_dim, theta
+            mod._tp_head_dim, mod._tp_theta, mod._tp_rope_scaling = cfg.head_dim, theta, scaling
             put(mod, _rotary_forward, name)
     put(model.lm_head, _lm_head_forward, "lm_head")
     manifest = Manifest(role="trainer:transformers", contract=c.name, fingerprint=c.fingerprint,

@@ -10,7 +10,7 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "732378fb61f95becfb46657115266f44f3fbd221f23f6ae3950ea57142b37669"
+GOLDEN_FINGERPRINT = "4af520e9f1ee125d9c466786a688bfc63a85f06a50be311ebf7bf8b751606157"
 
 
 def test_round_trip_is_identity():

@@ -147,7 +147,8 @@ def test_rope_reference_vs_float64():
     torch.testing.assert_close(apply_rope_reference(x, cos, sin).double(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("script", ["matmul_tree.py", "attention_rope.py", "moe_logprobs.py", "sampling.py"])
+@pytest.mark.parametrize("script", ["matmul_tree.py", "attention_rope.py", "attention_groups.py", "moe_logprobs.py",
+                                    "logprobs_vocab.py", "sampling.py"])
 def test_interpreted_kernels(script):
     """Batch/column/TP/EP/prefill-decode invariance of the Triton kernels, bitwise, interpreted."""
     r = run_py((ROOT / "tests" / "cpu" / "interpreted" / script).read_text(), {"TRITON_INTERPRET": "1"})

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-FP = "732378fb61f95becfb46657115266f44f3fbd221f23f6ae3950ea57142b37669"
+FP = "4af520e9f1ee125d9c466786a688bfc63a85f06a50be311ebf7bf8b751606157"
 
 
 def _launch(*args, env_extra=None):

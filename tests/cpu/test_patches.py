@@ -1,6 +1,8 @@
 """Patch mechanics against the real sglang 0.5.17: where the name is looked up, idempotent,
 reversible, loud on a missing symbol; manifest lists every replacement."""
 
+import types
+
 import pytest
 from helpers import run_py
 
@@ -129,13 +131,20 @@ def test_attention_patch_refuses_an_instance_without_the_flag_or_our_rope():
 
     ours.__true_on_policy_patch__ = "x"
 
-    class Rope:
-        def __init__(self):
-            self._forward_method = ours.__get__(self)
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
-    ok.rotary_emb = Rope()
+    rope = RotaryEmbedding.__new__(RotaryEmbedding)  # the fields SGLang's constructor sets, no CUDA cache
+    object.__setattr__(rope, "__dict__", {"head_size": 64, "rotary_dim": 64, "is_neox_style": True, "base": 1e6})
+    rope._forward_method = ours.__get__(rope)
+    ok.rotary_emb = rope
     qwen3_moe._attention_built(None, ok)
     assert ok.compatible_with_fused_kv_buffer is False and ok.use_fused_qk_norm_rope is False
+    ok.config = types.SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                       "original_max_position_embeddings": 64})
+    with pytest.raises(PatchError, match="would compute different models"):  # a yarn config built as plain RoPE
+        qwen3_moe._attention_built(None, ok)
+    ok.config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    qwen3_moe._attention_built(None, ok)
 
 
 def test_communicator_all_reduce_passes_only_tree_reduced_tensors():

@@ -81,16 +81,34 @@ except PatchError:
     pass
 else:
     raise AssertionError('bias accepted')
-# 4. RoPE on q/k laid out [T, H*D]
+# 4. RoPE on q/k laid out [T, H*D]: default RoPE, YaRN from the instance's parameters, others refused
 from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
-re = types.SimpleNamespace(head_size=64, rotary_dim=64, is_neox_style=True, base=1000000)
+from sglang.srt.layers.rotary_embedding.yarn import YaRNScalingRotaryEmbedding
+from sglang.srt.layers.rotary_embedding.base import LinearScalingRotaryEmbedding
+from true_on_policy.kernels.rope import Yarn
+def instance(cls, **fields):  # the fields SGLang's constructors set (theirs build a CUDA cache)
+    r = cls.__new__(cls)
+    object.__setattr__(r, '__dict__', dict(head_size=64, rotary_dim=64, is_neox_style=True, base=1000000, **fields))
+    return r
 pos = torch.tensor([0, 5, 63, 64, 200])
 q, k = torch.randn(5, 4 * 64, generator=g).bfloat16(), torch.randn(5, 2 * 64, generator=g).bfloat16()
-qo, ko = RotaryEmbedding.forward_native(re, pos, q, k)
-c, s = cos_sin(pos, 64, 1e6)
-torch.testing.assert_close(qo.view(5, 4, 64).float(), apply_rope_reference(q.view(5, 4, 64), c, s).float(),
-                           rtol=2e-2, atol=4e-2)
-assert ko.shape == k.shape
+yarn = dict(scaling_factor=8.0, max_position_embeddings=64, beta_fast=32, beta_slow=1, truncate=True,
+            extrapolation_factor=1, mscale=1.2079441541679836)
+for emb, scaling in ((instance(RotaryEmbedding), None),
+                     (instance(YaRNScalingRotaryEmbedding, **yarn), Yarn(8.0, 64, 32.0, 1.0, True, 1.2079441541679836))):
+    qo, ko = RotaryEmbedding.forward_native(emb, pos, q, k)
+    c, s = cos_sin(pos, 64, 1e6, scaling)
+    torch.testing.assert_close(qo.view(5, 4, 64).float(), apply_rope_reference(q.view(5, 4, 64), c, s).float(),
+                               rtol=2e-2, atol=4e-2)
+    torch.testing.assert_close(ko.view(5, 2, 64).float(), apply_rope_reference(k.view(5, 2, 64), c, s).float(),
+                               rtol=2e-2, atol=4e-2)
+assert not torch.equal(cos_sin(pos, 64, 1e6)[0], c)  # YaRN is not plain RoPE
+try:
+    RotaryEmbedding.forward_native(instance(LinearScalingRotaryEmbedding, scaling_factors=[2.0]), pos, q, k)
+except PatchError as e:
+    assert 'not in the contract' in str(e), e
+else:
+    raise AssertionError('linear-scaled RoPE ran as plain RoPE')
 # 5. lm_head: fp32 logits
 from sglang.srt.layers.logits_processor import LogitsProcessor
 lm = types.SimpleNamespace(weight=(torch.randn(512, 64, generator=g) * 0.05).bfloat16())

@@ -57,6 +57,16 @@ def main(out_path):
     v = 151936 // world
     _check("logprobs_vocab_parallel", token_logprobs(logits[:, rank * v:(rank + 1) * v].contiguous(), tok, 0.7,
                                                     group=dist.group.WORLD), token_logprobs(logits, tok, 0.7), res)
+    # an odd vocabulary: each rank holds 8/world whole shards of ceil(V/8) columns of the vocabulary
+    # padded to 8 * ceil(V/8); the padding (NaN) is never read
+    odd, shard = 151669, -(-151669 // 8)
+    padded = torch.full((512, 8 * shard), float("nan"), device="cuda")
+    padded[:, :odd] = logits[:, :odd].float()
+    tok = torch.randint(0, odd, (512,), device="cuda", generator=g)
+    wr = 8 // world * shard
+    _check("logprobs_vocab_parallel_odd_vocab", token_logprobs(padded[:, rank * wr:(rank + 1) * wr].contiguous(), tok,
+                                                              0.7, group=dist.group.WORLD, vocab=odd),
+           token_logprobs(padded[:, :odd].contiguous(), tok, 0.7), res)
     ok = all(r["bitwise"] for r in res.values())
     flags = torch.tensor([int(ok)], device="cuda")
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)

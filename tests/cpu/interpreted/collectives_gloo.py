@@ -1,6 +1,6 @@
 """Interpreted, two CPU processes over gloo: the collective forms (row-parallel tree in the
-all-gather form, MoE expert-TP and EP, vocab-parallel log-probs) are
-bitwise equal to one process. Run: python -m torch.distributed.run --nproc_per_node 2 THIS."""
+all-gather form, MoE expert-TP and EP, vocab-parallel log-probs, an odd
+vocabulary too) are bitwise equal to one process. Run: python -m torch.distributed.run --nproc_per_node 2 THIS."""
 import torch
 import torch.distributed as dist
 from true_on_policy.kernels.logprobs import token_logprobs
@@ -36,5 +36,13 @@ v = 1024 // world
 temps = torch.tensor([1.0, 0.7, 1.3, 0.5])
 assert torch.equal(token_logprobs(logits[:, rank * v:(rank + 1) * v].contiguous(), tok, temps, group=G),
                    token_logprobs(logits, tok, temps))
+# an odd vocabulary: each rank holds 4 shards of ceil(3001/8) = 376 columns of the vocabulary padded to
+# 3008; the padding (NaN here) is never read
+odd = torch.randn(4, 3001, generator=g) * 3
+tok = torch.randint(0, 3001, (4,), generator=g)
+padded = torch.full((4, 3008), float("nan"))
+padded[:, :3001] = odd
+mine = padded[:, rank * 1504:(rank + 1) * 1504].contiguous()
+assert torch.equal(token_logprobs(mine, tok, temps, group=G, vocab=3001), token_logprobs(odd, tok, temps))
 dist.destroy_process_group()
 print(f"interpreted-ok rank {rank}")

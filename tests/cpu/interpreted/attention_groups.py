@@ -1,0 +1,95 @@
+"""Interpreted: attention for head groups G = Hq/Hkv that do not divide the 64-row tile (3, 5, 12;
+Qwen3-Coder-480B has 96/8 heads, a TP shard with a replicated KV head has Hq/tp : 1), bitwise:
+decode == prefill == chunked prefill, split-KV == one program, a sequence alone == in a ragged
+batch, paged == contiguous; the kernel vs the reference within tolerance; D outside {64, 128},
+G > 64 and Hq not a multiple of Hkv refused."""
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
+from helpers import expect_value_errors  # noqa: E402
+from true_on_policy.kernels.attention import _rows, attention, attention_reference, contiguous_layout  # noqa: E402
+
+g = torch.Generator().manual_seed(13)
+
+
+def one(a):
+    return torch.tensor([a])
+
+
+for hq, hkv, d, L in ((6, 2, 64, 150), (5, 1, 64, 140), (12, 1, 128, 133)):
+    G = hq // hkv
+    tok = 64 // G  # query tokens per tile: 21, 12, 5 (rows 63, 60..63, 60..63 masked)
+    q = torch.randn(L, hq, d, generator=g).bfloat16()
+    k, v = (torch.randn(L, hkv, d, generator=g).bfloat16() for _ in range(2))
+    kv, st, ln, p0 = contiguous_layout(1, L)
+    full = attention(q, k, v, kv, st, ln, p0, L)
+    ref = attention_reference(q, k, v, kv, st, ln, p0)
+    torch.testing.assert_close(full.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    perm = torch.randperm(L + 9, generator=g)[:L]  # a paged pool with holes
+    kb, vb = torch.randn(L + 9, hkv, d, generator=g).bfloat16(), torch.randn(L + 9, hkv, d, generator=g).bfloat16()
+    kb[perm], vb[perm] = k, v
+    table = perm.int()[None]
+    assert torch.equal(attention(q, kb, vb, table, st, ln, p0, L), full), (G, "paged")
+    # decode steps across tile edges (multiples of tok), 64-key blocks and the 128-key segment
+    for p in sorted({0, 1, tok - 1, tok, tok + 1, 63, 64, 127, 128, L - 1}):
+        d1 = attention(q[p:p + 1].clone(), kb, vb, table, one(0), one(1), one(p), 1)
+        assert torch.equal(d1[0], full[p]), (G, "decode", p)
+    pos = [0, tok, 64, 128, L - 1]
+    for mk in (None, L, 1000):  # the decode form, one program or split-KV
+        dec = attention(q[pos].clone(), kb, vb, table.expand(len(pos), L).contiguous(), None, None, None, 1,
+                        max_kv_len=mk, seq_lens=torch.tensor(pos) + 1)
+        assert torch.equal(dec, full[pos]), (G, "decode form", mk)
+    for pre in (1, tok, tok + 2, 64, 100):  # chunked prefill after a cached prefix: other tile membership
+        for mk in (None, L):
+            rest = attention(q[pre:].clone(), kb, vb, table, one(0), one(L - pre), one(pre), L - pre, max_kv_len=mk)
+            assert torch.equal(rest, full[pre:]), (G, "chunked", pre, mk)
+    # batch invariance: a short and the long sequence in one ragged launch == each alone
+    n0 = tok + 3
+    q2 = torch.cat([q[:n0], q])
+    both = attention(q2, kb, vb, torch.cat([table, table]), torch.tensor([0, n0]), torch.tensor([n0, L]),
+                     torch.tensor([0, 0]), L)
+    assert torch.equal(both[:n0], full[:n0]) and torch.equal(both[n0:], full), (G, "batch")
+    # a TP rank's shard (query heads of one KV head, SGLang's layout) == those heads of the full launch
+    if hkv > 1:  # KV heads partitioned: rank 1 of 2 holds KV head 1 and its G query heads
+        rank = attention(q[:, G:2 * G].contiguous(), k[:, 1:2].contiguous(), v[:, 1:2].contiguous(), kv, st, ln, p0, L)
+        assert torch.equal(rank, full[:, G:2 * G]), (G, "tp shard")
+    if G % 2 == 0:  # KV head replicated (tp > Hkv): rank 1 of 2 holds query heads G/2..G-1 and KV head 0
+        rank = attention(q[:, G // 2:G].contiguous(), k[:, :1].contiguous(), v[:, :1].contiguous(), kv, st, ln, p0, L)
+        assert torch.equal(rank, full[:, G // 2:G]), (G, "replicated KV shard")
+
+
+
+@triton.jit
+def _owners(OUT, ZERO, Q_LEN, G: tl.constexpr, BLOCK_M: tl.constexpr, HQ: tl.constexpr):
+    """The (token * HQ + head) each row of tile (tile, kvh) would store, -1 for a masked row."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_q, q_rows, head, row_ok, pos, last = _rows(0, tile, kvh, ZERO, Q_LEN, ZERO, Q_LEN, G, BLOCK_M, False)
+    r = tl.arange(0, BLOCK_M)
+    tl.store(OUT + (tile * tl.num_programs(1) + kvh) * BLOCK_M + r, tl.where(row_ok, q_rows * HQ + head, -1))
+
+
+for G in (1, 3, 5, 8, 12, 64):  # every query (token, head) is stored by exactly one tile row: a row
+    n = 200                      # stored twice would be a write race on a GPU that the interpreter's
+    tiles = triton.cdiv(n, 64 // G)  # program order hides
+    rows = torch.empty(tiles, 2, 64, dtype=torch.int64)
+    _owners[(tiles, 2)](rows, torch.zeros(1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32), G=G, BLOCK_M=64, HQ=2 * G)
+    owned = torch.bincount(rows[rows >= 0], minlength=n * 2 * G)
+    assert owned.shape[0] == n * 2 * G and bool((owned == 1).all()), (G, "rows owned by more or fewer than one tile")
+
+x = torch.randn(4, 2, 96).bfloat16()
+kv, st, ln, p0 = contiguous_layout(1, 4)
+expect_value_errors(
+    lambda: attention(torch.randn(4, 3, 96).bfloat16(), x[:, :1].contiguous(), x[:, :1].contiguous(), kv, st, ln, p0, 4),
+    lambda: attention(torch.randn(4, 6, 32).bfloat16(), *(torch.randn(4, 2, 32).bfloat16(),) * 2, kv, st, ln, p0, 4),
+    lambda: attention(torch.randn(4, 3, 64).bfloat16(), *(torch.randn(4, 2, 64).bfloat16(),) * 2, kv, st, ln, p0, 4),
+    lambda: attention(torch.randn(4, 96, 64).bfloat16(), *(torch.randn(4, 1, 64).bfloat16(),) * 2, kv, st, ln, p0, 4))
+try:
+    attention(torch.randn(4, 3, 96).bfloat16(), x[:, :1].contiguous(), x[:, :1].contiguous(), kv, st, ln, p0, 4)
+except ValueError as e:
+    assert "head_dim 96" in str(e) and "64 and 128" in str(e), e
+print("interpreted-ok")
