@@ -103,8 +103,11 @@ def git_state(root: str | os.PathLike | None = None) -> dict:
     commit = head.decode().strip()
     status = _git(root, "status", "--porcelain", "--untracked-files=all", *_OUTSIDE_EVIDENCE)
     dirty = status is None or bool(status.strip())
-    return {"commit": commit, "dirty": dirty, "diff_sha256": _diff_sha256(root) if dirty else None,
-            "source_sha256": source}
+    state = {"commit": commit, "dirty": dirty, "diff_sha256": _diff_sha256(root) if dirty else None,
+             "source_sha256": source}
+    if env.GIT_COMMIT.get():  # a copy whose .git is not the one it was made from (a GPU host's stale clone)
+        state["claimed_commit"] = env.GIT_COMMIT.get()
+    return state
 
 
 def _diff_sha256(root: Path) -> str:
@@ -127,9 +130,13 @@ def is_source(rel: str) -> bool:
 
 
 def _hash_files(files: dict[str, bytes]) -> str:
+    return _hash_digests({rel: hashlib.sha256(data).digest() for rel, data in files.items()})
+
+
+def _hash_digests(digests: dict[str, bytes]) -> str:
     h = hashlib.sha256()
-    for rel in sorted(files):
-        h.update(rel.encode() + b"\0" + hashlib.sha256(files[rel]).digest())
+    for rel in sorted(digests):
+        h.update(rel.encode() + b"\0" + digests[rel])
     return h.hexdigest()
 
 
@@ -158,8 +165,26 @@ def source_sha256_at(commit: str, repo: str | os.PathLike | None = None) -> str 
         meta, path = entry.split(b"\t", 1)
         rel = path.decode()
         if meta.split()[1] == b"blob" and is_source(rel):
-            files[rel] = _git(repo, "cat-file", "blob", meta.split()[2].decode()) or b""
-    return _hash_files(files)
+            files[rel] = _blob_digest(repo, meta.split()[2].decode())
+    return _hash_digests(files)
+
+
+_BLOB_DIGESTS: dict[str, bytes] = {}  # blob id -> sha256(content): blobs are shared across commits
+
+
+def _blob_digest(repo: Path, blob: str) -> bytes:
+    if blob not in _BLOB_DIGESTS:
+        _BLOB_DIGESTS[blob] = hashlib.sha256(_git(repo, "cat-file", "blob", blob) or b"").digest()
+    return _BLOB_DIGESTS[blob]
+
+
+def commit_with_source(source: str, repo: str | os.PathLike | None = None, limit: int = 200) -> str | None:
+    """The newest of the last ``limit`` commits of HEAD whose source files hash to ``source``."""
+    repo = Path(repo or checkout_root())
+    for commit in (_git(repo, "rev-list", f"--max-count={limit}", "HEAD") or b"").decode().split():
+        if source_sha256_at(commit, repo) == source:
+            return commit
+    return None
 
 
 def write_evidence(path: str | os.PathLike, payload: dict, prov: dict) -> Path:
@@ -217,15 +242,18 @@ def verify(path: str | os.PathLike, repo: str | os.PathLike | None = None) -> tu
     if not prov:
         return False, "no provenance block"
     g = prov.get("git", {})
-    commit = g.get("commit") or g.get("claimed_commit")
-    if not commit:
-        return False, f"no commit recorded ({g.get('reason')})"
-    want = source_sha256_at(commit, repo)
-    if want is None:
-        return False, f"commit {commit} is not in this repository"
-    if want != g.get("source_sha256"):
-        return False, f"the source that ran is not commit {commit} (dirty={g.get('dirty')})"
-    return True, f"the source that ran is commit {commit}" + ("" if g.get("commit") else " (claimed, verified)")
+    source = g.get("source_sha256")
+    named = [c for c in (g.get("claimed_commit"), g.get("commit")) if c]
+    for commit in named:
+        if source and source_sha256_at(commit, repo) == source:
+            how = "" if commit == g.get("commit") and not g.get("dirty") else " (claimed, verified)"
+            return True, f"the source that ran is commit {commit}{how}"
+    if source and (found := commit_with_source(source, repo)):
+        return True, (f"the source that ran is commit {found} (found by its source hash; the run saw commit "
+                      f"{g.get('commit')}, dirty={g.get('dirty')})")
+    if not named:
+        return False, f"no commit recorded ({g.get('reason')}) and no commit in this history has its source hash"
+    return False, f"the source that ran is not commit {' or '.join(named)}, nor a recent one (dirty={g.get('dirty')})"
 
 
 def main(argv=None) -> int:

@@ -65,6 +65,12 @@ def evidence_files(under=EVIDENCE):
     return sorted(p for p in under.rglob("*") if p.is_file() and (under == ARCHIVE or ARCHIVE not in p.parents))
 
 
+def _shallow() -> bool:
+    """A shallow clone lacks the history a dirty run's source hash is looked up in."""
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    return r.returncode != 0 or r.stdout.strip() == "true"
+
+
 def test_every_evidence_file_outside_the_archive_carries_complete_provenance():
     bad = {}
     for path in evidence_files():
@@ -74,11 +80,44 @@ def test_every_evidence_file_outside_the_archive_carries_complete_provenance():
             continue
         found = problems(read_block(path))
         git = (read_block(path) or {}).get("git") or {}
-        if not found and not (git.get("dirty") is False or (git.get("commit") is None and git.get("claimed_commit"))):
-            found = ["not from a clean, named commit (dirty tree, or no commit recorded or claimed)"]
+        if not found and git.get("dirty") is not False and not _shallow() and not pv.verify(path)[0]:
+            found = ["not from a clean commit, and its source hash is no commit of this history (claimed or found)"]
         if found:
             bad[rel] = found
     assert not bad, json.dumps(bad, indent=1)
+
+
+def test_a_stale_git_copy_is_verified_by_its_source_hash(tmp_path, monkeypatch):
+    """A GPU host whose copy carries an old .git: the run records that commit as dirty, the claimed
+    commit and the source hash; verify names the commit that ran, by hash, claimed or not."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (repo / "m.py").write_text("X = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "one")
+    old = _git(repo, "rev-parse", "HEAD")
+    (repo / "m.py").write_text("X = 2\n")
+    _git(repo, "commit", "-qam", "two")
+    new = _git(repo, "rev-parse", "HEAD")
+    stale = tmp_path / "stale"
+    _git(tmp_path, "clone", "-q", str(repo), str(stale))
+    _git(stale, "checkout", "-q", old)
+    (stale / "m.py").write_text("X = 2\n")  # the tree of `new` over the old .git
+    monkeypatch.setenv("TRUE_ON_POLICY_GIT_COMMIT", new)
+    state = pv.git_state(stale)
+    assert state["commit"] == old and state["dirty"] is True and state["claimed_commit"] == new
+    prov = {**pv.provenance(["python", "run.py"]), "git": state}
+    assert pv.verify(pv.write_evidence(tmp_path / "a.json", {"x": 1}, prov), repo) == (
+        True, f"the source that ran is commit {new} (claimed, verified)")
+    unclaimed = {**prov, "git": {k: v for k, v in state.items() if k != "claimed_commit"}}
+    ok, why = pv.verify(pv.write_evidence(tmp_path / "b.json", {"x": 1}, unclaimed), repo)
+    assert ok and f"commit {new} (found by its source hash" in why
+    (stale / "m.py").write_text("X = 3\n")  # a tree that is no commit
+    ok, why = pv.verify(pv.write_evidence(tmp_path / "c.json", {"x": 1}, {**prov, "git": pv.git_state(stale)}),
+                        repo)
+    assert not ok and "not commit" in why
 
 
 def test_recorded_source_is_the_recorded_commit():

@@ -80,8 +80,8 @@ def test_manifest_route_needs_the_admin_key_and_folder_goes_at_exit(tiny_cache, 
         assert folder in server_log  # the log says where the manifests were
         ours = [line for line in server_log.splitlines() if "true-on-policy" in line]
         assert ours and not [line for line in ours if k1 in line or k2 in line]
-        gpu_evidence.append({"test": "manifest_route_auth", "no_key": codes["none"].status_code,
-                             "api_key": codes["k1"].status_code, "admin_key": body.status_code,
+        gpu_evidence.append({"test": "manifest_route_auth", "status_no_auth_header": codes["none"].status_code,
+                             "status_normal_api_auth": codes["k1"].status_code, "status_admin_auth": body.status_code,
                              "exit_code": rc, "folder_removed": True})
     finally:
         if proc.poll() is None:
