@@ -127,3 +127,12 @@ def test_contract_flag_without_a_name_is_a_usage_error(capsys, argv):
     assert main(["--true-on-policy", *argv]) == 2
     assert capsys.readouterr().err == ("error: --true-on-policy-contract needs a contract name (known: "
                                        "qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1)\n")
+
+
+def test_routed_experts_and_tokenizer_workers_refused_at_launch(tiny_cache):
+    """The contract's router bypasses SGLang's routed-expert capture, and per-sample seeds live in
+    the one tokenizer process: both are refused in one message before any GPU work."""
+    r = _launch("--true-on-policy", "--dry-run", "--enable-return-routed-experts", "--tokenizer-worker-num", "2")
+    assert r.returncode == 2, r.stdout[-2000:]
+    assert "--enable-return-routed-experts" in r.stderr and "--tokenizer-worker-num" in r.stderr
+    assert "2 violation(s)" in r.stderr, r.stderr[-2000:]
