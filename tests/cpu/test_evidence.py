@@ -87,9 +87,8 @@ def test_every_evidence_file_outside_the_archive_carries_complete_provenance():
     assert not bad, json.dumps(bad, indent=1)
 
 
-def test_a_stale_git_copy_is_verified_by_its_source_hash(tmp_path, monkeypatch):
-    """A GPU host whose copy carries an old .git: the run records that commit as dirty, the claimed
-    commit and the source hash; verify names the commit that ran, by hash, claimed or not."""
+def _one_commit_repo(tmp_path):
+    """A git repository with pyproject.toml and m.py (X = 1), committed once."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
@@ -97,6 +96,13 @@ def test_a_stale_git_copy_is_verified_by_its_source_hash(tmp_path, monkeypatch):
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "one")
+    return repo
+
+
+def test_a_stale_git_copy_is_verified_by_its_source_hash(tmp_path, monkeypatch):
+    """A GPU host whose copy carries an old .git: the run records that commit as dirty, the claimed
+    commit and the source hash; verify names the commit that ran, by hash, claimed or not."""
+    repo = _one_commit_repo(tmp_path)
     old = _git(repo, "rev-parse", "HEAD")
     (repo / "m.py").write_text("X = 2\n")
     _git(repo, "commit", "-qam", "two")
@@ -262,13 +268,7 @@ def test_git_state_follows_the_tree(tmp_path, monkeypatch):
 
 
 def test_a_copy_without_git_records_the_reason_and_can_be_verified(tmp_path, monkeypatch):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
-    (repo / "m.py").write_text("X = 1\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "one")
+    repo = _one_commit_repo(tmp_path)
     sha = _git(repo, "rev-parse", "HEAD")
     copy = tmp_path / "copy"
     copy.mkdir()
