@@ -34,7 +34,16 @@ YARN = dict(EMBEDDED, max_position_embeddings=1024, seed=2,
             rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64})
 GROUP3 = dict(EMBEDDED, num_attention_heads=6, num_key_value_heads=2, seed=3)
 VOCAB3001 = dict(EMBEDDED, vocab_size=3001, seed=4)
-GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001}
+# The real Qwen3-30B-A3B layer geometry (hidden 2048, 32/4 heads of 128, 128 experts top-8,
+# moe_intermediate 768, vocab 151936) at 6 layers (the throughput issue's model) and at its full
+# 48 layers. Random bf16 weights, built on the GPU when there is one (a CPU init takes minutes).
+A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+           num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+           rope_theta=1_000_000.0, rms_norm_eps=1e-6, initializer_range=0.02, seed=10)
+A3B48 = dict(A3B, num_hidden_layers=48, seed=11)
+GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001,
+              "a3b6": A3B, "a3b48": A3B48}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -84,12 +93,23 @@ def build(folder: Path, spec: dict) -> None:
         torch_dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"],
     )
     gen = torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg)
+    # the small geometries keep their fp32 init (then rounded); a real-shape one is initialised
+    # in bf16 on the GPU when there is one (a 30B model in fp32 would not fit, a CPU init is slow)
+    large = spec["num_hidden_layers"] * spec["num_experts"] * spec["hidden_size"] * spec["moe_intermediate_size"] > 1e9
+    device = "cuda" if large and torch.cuda.is_available() else "cpu"
+    default = torch.get_default_dtype()
+    if large:
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():  # non-trivial norm weights, so weight rounding is exercised too
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-    model.to(torch.bfloat16).save_pretrained(folder)
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="200GB")
 
 
 def ensure(geometry: str = "embedded") -> str:
