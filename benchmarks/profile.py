@@ -34,7 +34,8 @@ VARIANTS = ("stock", "tpo")
 # kernel-name pattern -> op (first match wins); unmatched names are "other"
 OPS = [
     (r"_matmul_tma_kernel|nvjet|gemm|cutlass|sm90_xmma|cublas", "dense GEMM"),
-    (r"fused_moe|_matmul_kernel|moe_align|moe_sum|topk|_route_kernel|_silu_mul|_combine_kernel|act_and_mul|"
+    (r"^_matmul_kernel", "tree / grouped GEMM (o_proj, down, MoE w13)"),
+    (r"fused_moe|moe_align|moe_sum|topk|_route_kernel|_silu_mul|_combine_kernel|act_and_mul|"
      r"silu_and_mul|count_and_sort|moe", "MoE"),
     (r"_tree_kernel", "segment tree"),
     (r"attn|attention|_fwd_kernel|decode|extend|flash", "attention"),
@@ -60,7 +61,8 @@ def _kernel_times(trace_path: str, steps: int) -> dict:
     per = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            name = e["name"]
+            grid = (e.get("args") or {}).get("grid")
+            name = e["name"] + (f" grid={grid}" if grid else "")
             t, n = per.get(name, (0.0, 0))
             per[name] = (t + float(e["dur"]), n + 1)
     rows = sorted(({"kernel": k[:160], "op": op_of(k), "us_per_step": t / steps, "launches_per_step": n / steps}
