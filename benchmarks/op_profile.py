@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one decode step (batch 1, 64, 256) and one 4096-token prefill, stock
 SGLang vs ``--true-on-policy``, inside the CUDA graphs the rollout uses (issue 14, step 1).
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/profile.py [--geometry a3b6] [--batches 1 64 256] \\
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/op_profile.py [--geometry a3b6] [--batches 1 64 256] \\
         [--prefill 4096] [--context 512] [--steps 5] [--out evidence/profile-a3b6.json]
 
 Each variant runs in its own process on SGLang's own ``ModelRunner`` (the one the scheduler
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     from true_on_policy import tiny_model
     from true_on_policy.provenance import provenance, write_evidence
 
-    prov = provenance(None if argv is None else ["python", "benchmarks/profile.py", *argv])
+    prov = provenance(None if argv is None else ["python", "benchmarks/op_profile.py", *argv])
     model_path = a.model_path or tiny_model.ensure(a.geometry)
     results = []
     with tempfile.TemporaryDirectory(prefix="tpo-profile-") as work:
