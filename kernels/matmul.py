@@ -87,6 +87,10 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
         expert = tl.load(BLOCK_EXPERT + pid_m)
         if expert < 0:
             return
+        # an expert's rows come first in its group, padding after: a block whose first row is
+        # padding is all padding, and its output rows are never read (no bit of a real row changes)
+        if tl.load(A_IDX + pid_m * BLOCK_M) < 0:
+            return
         B += expert.to(tl.int64) * stride_be
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M

@@ -83,12 +83,14 @@ def sample_reference(logq: torch.Tensor, logits: torch.Tensor, seeds, positions,
 # ---------------------------------------------------------------------------- kernel
 @triton.jit
 def _mix(h, k):
-    k = (k * 0xCC9E2D51) & 0xFFFFFFFF
-    k = ((k << 15) | (k >> 17)) & 0xFFFFFFFF
-    k = (k * 0x1B873593) & 0xFFFFFFFF
+    """One murmur3 block on uint32 lanes: products and sums wrap mod 2^32 (murmur3's own
+    arithmetic; 32-bit integer ops, where the 64-bit form with masks cost several per multiply)."""
+    k = k * 0xCC9E2D51
+    k = (k << 15) | (k >> 17)
+    k = k * 0x1B873593
     h = h ^ k
-    h = ((h << 13) | (h >> 19)) & 0xFFFFFFFF
-    return (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h = (h << 13) | (h >> 19)
+    return h * 5 + 0xE6546B64
 
 
 @triton.jit
@@ -98,11 +100,11 @@ def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST
     (``VALS``) or, with FROM_LOGITS, logp = logits / T - lse computed here; greedy rows: fp32 logits."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    seed = tl.load(SEED + row).to(tl.uint64)
-    pos = tl.load(POS + row).to(tl.uint64) & 0xFFFFFFFF
+    seed = tl.load(SEED + row)
+    pos = (tl.load(POS + row) & 0xFFFFFFFF).to(tl.uint32)
     greedy = tl.load(GREEDY + row) != 0
-    h0 = _mix(tl.zeros([VBLOCK], tl.uint64), seed & 0xFFFFFFFF)
-    h0 = _mix(h0, (seed >> 32) & 0xFFFFFFFF)
+    h0 = _mix(tl.zeros([VBLOCK], tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
+    h0 = _mix(h0, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, pos)
     T = tl.load(TEMP + row)
     lse = tl.load(LSE + row)
@@ -117,12 +119,12 @@ def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST
             x = tl.math.div_rn(logit, T) - lse
         else:
             x = tl.load(VALS + row * stride_v + cols, mask=ok, other=float("-inf"))
-        h = _mix(h0, cols.to(tl.uint64))
+        h = _mix(h0, cols.to(tl.uint32))
         h = h ^ 16
         h = h ^ (h >> 16)
-        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h = h * 0x85EBCA6B
         h = h ^ (h >> 13)
-        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        h = h * 0xC2B2AE35
         h = h ^ (h >> 16)
         u = (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32, exact
         g = -tl.log(-tl.log(u))
