@@ -27,6 +27,7 @@ from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, f
 
 HBLOCK = 1024  # combine: one token per program, hidden in fixed chunks (no dependence on T)
 IBLOCK = 1024  # silu*up: one row per program, intermediate in fixed chunks
+NBLOCK = 1024  # align: slots scanned in fixed chunks (the table does not depend on it)
 
 
 # ---------------------------------------------------------------- references (plain torch)
@@ -53,6 +54,34 @@ def combine_reference(e: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16
     for j in range(1, e.shape[1]):
         acc = acc + w[:, j, None] * e[:, j]
     return acc.to(out_dtype)
+
+
+def align_reference(ids: torch.Tensor, first_expert: int, num_local: int):
+    """``align``'s table in plain torch (stable argsort); rows of unused blocks are -1 here."""
+    t, k = ids.shape
+    dev = ids.device
+    flat = ids.reshape(-1).to(torch.int64) - first_expert
+    local = (flat >= 0) & (flat < num_local)
+    e = torch.where(local, flat, num_local)
+    order = torch.argsort(e, stable=True)
+    # counts by comparison, not index_add_/bincount: no atomics, no host sync
+    counts = (e[:, None] == torch.arange(num_local, device=dev)[None, :]).sum(0)
+    blocks = (counts + ALIGN - 1) // ALIGN
+    start_block = torch.cumsum(blocks, 0) - blocks
+    start_count = torch.cumsum(counts, 0) - counts
+    n_blocks = triton.cdiv(t * k, ALIGN) + num_local
+    se = e[order]
+    valid = se < num_local
+    sec = se.clamp(max=num_local - 1)
+    dest = start_block[sec] * ALIGN + torch.arange(t * k, device=dev) - start_count[sec]
+    dest = torch.where(valid, dest, n_blocks * ALIGN)
+    rows = torch.full((n_blocks * ALIGN + 1,), -1, dtype=torch.int64, device=dev)
+    rows.scatter_(0, dest, order // k)
+    pos = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
+    pos.scatter_(0, order, torch.where(valid, dest, -1))
+    be = torch.searchsorted(torch.cumsum(blocks, 0), torch.arange(n_blocks, device=dev), right=True)
+    be = torch.where(be < num_local, be, -1)
+    return rows[:-1], be.to(torch.int32), pos
 
 
 def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True, acc=torch.float32):
@@ -123,6 +152,54 @@ def _combine_kernel(E_OUT, POS, W, Y, stride_e, stride_y, H, K: tl.constexpr, HB
         tl.store(Y + t * stride_y + cols, acc.to(Y.dtype.element_ty), mask=m)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _count_kernel(IDS, COUNTS, N, FIRST, NBLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    total = 0
+    for start in range(0, N, NBLOCK):
+        offs = start + tl.arange(0, NBLOCK)
+        total += tl.sum((tl.load(IDS + offs, mask=offs < N, other=-1) == FIRST + e).to(tl.int32), axis=0)
+    tl.store(COUNTS + e, total)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _align_kernel(IDS, COUNTS, ROWS, BLOCK_EXPERT, POS, N, K, FIRST, E, N_BLOCKS, ALIGN: tl.constexpr,
+                  NBLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program e < E: expert e's slots, in slot order, to rows [base, base + count) of its
+    group (base = ALIGN x the blocks of experts before it), its padding rows -1, its blocks
+    marked e. Program E: blocks after the last group marked -1, slots of non-local experts -1."""
+    e = tl.program_id(0)
+    ex = tl.arange(0, BLOCK_E)
+    blocks = (tl.load(COUNTS + ex, mask=ex < E, other=0) + ALIGN - 1) // ALIGN
+    if e < E:
+        first_block = tl.sum(tl.where(ex < e, blocks, 0), axis=0)
+        base = first_block.to(tl.int64) * ALIGN
+        count = tl.load(COUNTS + e)
+        n_mine = tl.sum(tl.where(ex == e, blocks, 0), axis=0)
+        seen = 0
+        for start in range(0, N, NBLOCK):
+            offs = start + tl.arange(0, NBLOCK)
+            mine = tl.load(IDS + offs, mask=offs < N, other=-1) == FIRST + e
+            dest = base + seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            tl.store(ROWS + dest, (offs // K).to(tl.int64), mask=mine)
+            tl.store(POS + offs, dest, mask=mine)
+            seen += tl.sum(mine.to(tl.int32), axis=0)
+        pad = count + tl.arange(0, ALIGN)
+        tl.store(ROWS + base + pad, tl.full([ALIGN], -1, tl.int64), mask=pad < n_mine * ALIGN)
+        for b in range(0, n_mine, NBLOCK):
+            bo = b + tl.arange(0, NBLOCK)
+            tl.store(BLOCK_EXPERT + first_block + bo, tl.full([NBLOCK], 0, tl.int32) + e, mask=bo < n_mine)
+    else:
+        used = tl.sum(blocks, axis=0)
+        for b in range(used, N_BLOCKS, NBLOCK):
+            bo = b + tl.arange(0, NBLOCK)
+            tl.store(BLOCK_EXPERT + bo, tl.full([NBLOCK], -1, tl.int32), mask=bo < N_BLOCKS)
+        for start in range(0, N, NBLOCK):
+            offs = start + tl.arange(0, NBLOCK)
+            x = tl.load(IDS + offs, mask=offs < N, other=FIRST)
+            tl.store(POS + offs, tl.full([NBLOCK], -1, tl.int64), mask=(offs < N) & ((x < FIRST) | (x >= FIRST + E)))
+
+
 # ---------------------------------------------------------------- launchers
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool = True):
     """logits [T, E] (bf16) -> (weights fp32 [T, k], expert ids int32 [T, k])."""
@@ -161,31 +238,25 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int):
     Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1) and
     pos [T*k] (row of slot (t, j) in the table, -1 when the expert is not local). Within an
     expert, slots keep (token, slot) order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks.
+    Two launches (``_count_kernel``, ``_align_kernel``: one program per local expert, plus one for
+    the unused blocks and the slots of other ranks' experts); rows of unused blocks are undefined.
     """
     t, k = ids.shape
+    n = t * k
     dev = ids.device
-    flat = ids.reshape(-1).to(torch.int64) - first_expert
-    local = (flat >= 0) & (flat < num_local)
-    e = torch.where(local, flat, num_local)
-    order = torch.argsort(e, stable=True)
-    # counts by comparison, not index_add_/bincount: no atomics, no host sync
-    counts = (e[:, None] == torch.arange(num_local, device=dev)[None, :]).sum(0)
-    blocks = (counts + ALIGN - 1) // ALIGN
-    start_block = torch.cumsum(blocks, 0) - blocks
-    start_count = torch.cumsum(counts, 0) - counts
-    n_blocks = triton.cdiv(t * k, ALIGN) + num_local
-    se = e[order]
-    valid = se < num_local
-    sec = se.clamp(max=num_local - 1)
-    dest = start_block[sec] * ALIGN + torch.arange(t * k, device=dev) - start_count[sec]
-    dest = torch.where(valid, dest, n_blocks * ALIGN)
-    rows = torch.full((n_blocks * ALIGN + 1,), -1, dtype=torch.int64, device=dev)
-    rows.scatter_(0, dest, order // k)
-    pos = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
-    pos.scatter_(0, order, torch.where(valid, dest, -1))
-    be = torch.searchsorted(torch.cumsum(blocks, 0), torch.arange(n_blocks, device=dev), right=True)
-    be = torch.where(be < num_local, be, -1)
-    return rows[:-1], be.to(torch.int32), pos
+    n_blocks = triton.cdiv(n, ALIGN) + num_local
+    rows = torch.empty(n_blocks * ALIGN, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
+    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
+    flat = ids.reshape(-1).to(torch.int32)
+    if n:
+        _count_kernel[(num_local,)](flat, counts, n, first_expert, NBLOCK=NBLOCK)
+    else:
+        counts.zero_()
+    _align_kernel[(num_local + 1,)](flat, counts, rows, block_expert, pos, n, k, first_expert, num_local, n_blocks,
+                                    ALIGN=ALIGN, NBLOCK=NBLOCK, BLOCK_E=triton.next_power_of_2(num_local))
+    return rows, block_expert, pos
 
 
 def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):

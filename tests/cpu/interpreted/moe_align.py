@@ -1,0 +1,29 @@
+"""Interpreted (TRITON_INTERPRET=1): the two-launch expert table ``align`` equals the stable-argsort
+reference (rows of used blocks, block experts, slot positions), one process and an EP slice,
+including an expert holding more than ALIGN slots, absent experts and no tokens."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
+from true_on_policy.kernels.matmul import ALIGN  # noqa: E402
+from true_on_policy.kernels.moe import align, align_reference  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+cases = []
+for t, k, e in ((1, 8, 16), (5, 2, 8), (64, 8, 16), (300, 4, 8)):
+    cases.append(torch.randint(0, e, (t, k), generator=g, dtype=torch.int32))
+crowded = torch.randint(0, 8, (90, 2), generator=g, dtype=torch.int32)
+crowded[:, 0] = 3  # expert 3 gets 90+ slots: two blocks
+cases.append(crowded)
+cases.append(torch.zeros(0, 8, dtype=torch.int32))
+for ids in cases:
+    e = int(ids.max()) + 1 if ids.numel() else 8
+    for first, local in ((0, e), (e // 2, e - e // 2), (0, max(e // 4, 1))):  # one process, EP slices
+        rows, be, pos = align(ids, first, local)
+        r_rows, r_be, r_pos = align_reference(ids, first, local)
+        assert torch.equal(be, r_be), (ids.shape, first, local, be, r_be)
+        assert torch.equal(pos, r_pos), (ids.shape, first, local)
+        used = (be >= 0).repeat_interleave(ALIGN)
+        assert torch.equal(rows[used], r_rows[used]), (ids.shape, first, local)
+print("interpreted-ok")
