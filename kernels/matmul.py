@@ -25,6 +25,11 @@ import triton.language as tl
 # down_proj), which keep up to four fp32 accumulators live, hence the smaller tile.
 COLUMN = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 ROW = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+# ROW_FLAT: the same tree in one pipelined K loop (``_tree_dot_flat``) when BLOCK_K divides a
+# segment: the segments' 16-wide MMA steps run in the same order from k = 0 upward and every
+# finished segment is folded into the tree at its boundary, so it computes the same bits as ROW
+# (GPU tier: test_tree_flat_equals_segmented) without ROW's short per-segment loops.
+ROW_FLAT = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4)
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
 # fp32 dot is numpy BLAS, whose summation order depends on a row's place in the tile. Under
@@ -72,11 +77,54 @@ def _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k0, SEG, stride_am, stride_
     return acc
 
 
+@triton.jit
+def _tree_dot_flat(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                   SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    """The segment tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) in one K loop (SEG % BLOCK_K == 0):
+    segment s accumulates from zero over its chunks in order; at its last chunk it is folded like
+    a binary counter (odd s: added to the pending left sibling, carrying up while the level's bit
+    is odd; even: becomes the pending left sibling of its level)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    root = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    iters = SEG // BLOCK_K
+    for i in range(0, SEGMENTS * iters):
+        ks = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(A + a_rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
+        b = tl.load(B + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=col_ok[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        else:
+            acc = tl.dot(a, b, acc)
+        if (i + 1) % iters == 0:
+            s = i // iters
+            if s % 2 == 1:
+                v = p1 + acc
+                if (s // 2) % 2 == 1:
+                    v = p2 + v
+                    if (s // 4) % 2 == 1:
+                        v = p4 + v
+                    else:
+                        p4 = v
+                else:
+                    p2 = v
+                root = v
+            else:
+                p1 = acc
+                root = acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return root
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
                    HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                   FLAT: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     k_base = 0
@@ -102,17 +150,21 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
         a_rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base, SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    if SEGMENTS >= 2:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
+    if FLAT:
+        acc = _tree_dot_flat(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                             SEGMENTS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    else:
+        acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base, SEG, stride_am, stride_ak, stride_bn,
+                           stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    if SEGMENTS >= 2 and not FLAT:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
         acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, SEG, SEG, stride_am, stride_ak, stride_bn,
                                  stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    if SEGMENTS >= 4:
+    if SEGMENTS >= 4 and not FLAT:
         acc = acc + (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 2 * SEG, SEG, stride_am, stride_ak,
                                   stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
                      + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 3 * SEG, SEG, stride_am, stride_ak,
                                     stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
-    if SEGMENTS >= 8:
+    if SEGMENTS >= 8 and not FLAT:
         left = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 4 * SEG, SEG, stride_am, stride_ak, stride_bn,
                              stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
                 + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 5 * SEG, SEG, stride_am, stride_ak, stride_bn,
@@ -219,7 +271,7 @@ def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False):
             rows, n, k // segments, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0,
             w.stride(-2), w.stride(-1), out.stride(-2), out.stride(-1), out.stride(0) if split else 0,
             HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=1 if split else segments,
-            SPLIT=split, DOT_F32=INTERPRETED, **cfg)
+            SPLIT=split, DOT_F32=INTERPRETED, FLAT=cfg is ROW_FLAT and not split, **cfg)
     return out
 
 
@@ -246,8 +298,14 @@ def _check(x, w, name):
         raise ValueError(f"{name}: x and W must share a 16-bit float dtype, got {x.dtype} and {w.dtype}")
 
 
-def _tiles(segments: int, tree: bool | None) -> dict:
-    return ROW if (segments > 1 if tree is None else tree) else COLUMN
+FLAT_TREE = True  # tree GEMMs take ROW_FLAT where it applies (benchmarks and the GPU tier compare both)
+
+
+def _tiles(segments: int, tree: bool | None, k: int = 0) -> dict:
+    if not (segments > 1 if tree is None else tree):
+        return COLUMN
+    flat = FLAT_TREE and k % segments == 0 and (k // segments) % ROW_FLAT["BLOCK_K"] == 0
+    return ROW_FLAT if flat else ROW
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, tree: bool | None = None,
@@ -263,7 +321,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     if role not in TMA:
         raise ValueError(f"matmul: role must be one of {sorted(TMA)}, got {role!r}")
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-    cfg = _tiles(segments, tree)
+    cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
         return _launch_tma(x, w, out, TMA[role])
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
@@ -281,7 +339,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     and w[expert]: never on how many rows its expert (or any other) received.
     """
     _check(x, w, "grouped_matmul")
-    cfg = _tiles(segments, tree)
+    cfg = _tiles(segments, tree, x.shape[1])
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
         raise ValueError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
     block_expert = block_expert.repeat_interleave(ALIGN // cfg["BLOCK_M"])

@@ -208,6 +208,32 @@ def test_rope(gpu_evidence):
     gpu_evidence.append({"test": "rope_32h_d128", "rel_err_vs_f64": rel, "batch_invariant_counts": COUNTS})
 
 
+@pytest.mark.parametrize("rows,n_out,k,segments", [(1, 2048, 768, 8), (64, 2048, 768, 8), (257, 2048, 768, 8),
+                                                   (4097, 2048, 768, 8), (64, 2048, 384, 4), (64, 2048, 96, 1),
+                                                   (33, 2048, 4096, 8), (300, 136, 1536, 8)])
+def test_tree_flat_equals_segmented(rows, n_out, k, segments, monkeypatch, gpu_evidence):
+    """ROW_FLAT (one pipelined K loop in 32-wide chunks, segments folded at their boundaries)
+    computes the same bits as ROW (a K loop per segment in 64-wide chunks, the last one masked):
+    the same 16-wide MMA steps in the same order, plus exact zero products. Plain and expert-grouped."""
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    g = _gen(rows + k)
+    x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
+    we = _randn(g, 4, n_out, k, scale=0.02)
+    ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
+    table, be, _ = align(ids, 0, 4)
+    outs = {}
+    for flat in (True, False):
+        monkeypatch.setattr(mm, "FLAT_TREE", flat)
+        assert (mm._tiles(segments, True, k) is mm.ROW_FLAT) == flat
+        grouped = mm.grouped_matmul(x, we, table, be, torch.float32, segments, tree=True)
+        outs[flat] = (matmul(x, w, torch.float32, segments, tree=True), grouped[table >= 0])
+    _same(outs[True][0], outs[False][0], f"plain rows={rows} K={k} segments={segments}")
+    _same(outs[True][1], outs[False][1], f"grouped rows={rows} K={k} segments={segments}")
+    gpu_evidence.append({"test": f"tree_flat_eq_row_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
+
+
 @pytest.mark.parametrize("hidden,experts,top_k,inter", [(256, 8, 2, 128), (2048, 128, 8, 768)])
 def test_moe(hidden, experts, top_k, inter, gpu_evidence):
     g = _gen(experts)

@@ -37,5 +37,26 @@ be = torch.tensor([0, 2, 1], dtype=torch.int32)
 out = grouped_matmul(x, we, rows, be)
 assert torch.equal(out[:5], matmul(x[[4, 0, 9, 9, 2]], we[0])) and torch.equal(out[128:130], matmul(x[[1, 4]], we[2]))
 assert torch.equal(out[256:257], matmul(x[69:70], we[1]))
+# the flat tree loop (ROW_FLAT: segments a multiple of its BLOCK_K): the reference within
+# tolerance, TP subtrees and expert-grouped rows bitwise (the GPU tier checks flat == ROW bitwise;
+# here the fp64 stand-in for the MMA rounds per chunk, so chunk sizes show)
+import true_on_policy.kernels.matmul as mm  # noqa: E402
+
+assert mm._tiles(8, True, 768) is mm.ROW_FLAT and mm._tiles(8, True, 128) is mm.ROW
+x3, w3 = torch.randn(5, 768, generator=g).bfloat16(), (torch.randn(40, 768, generator=g) * 0.05).bfloat16()
+flat = matmul(x3, w3, out_dtype=torch.float32, segments=8, tree=True)
+torch.testing.assert_close(flat, matmul_reference(x3, w3, torch.float32, segments=8), rtol=1e-5, atol=1e-5)
+for t in (2, 4, 8):
+    k = 768 // t
+    roots = [matmul(x3[:, r * k:(r + 1) * k].contiguous(), w3[:, r * k:(r + 1) * k].contiguous(),
+                    out_dtype=torch.float32, segments=8 // t, tree=True) for r in range(t)]
+    assert torch.equal(tree_sum(roots), flat), t
+we3 = (torch.randn(2, 40, 768, generator=g) * 0.05).bfloat16()
+rows3 = torch.full((2 * 128,), -1, dtype=torch.int64)
+rows3[:3] = torch.tensor([4, 0, 2])
+rows3[128] = 1
+out3 = grouped_matmul(x3, we3, rows3, torch.tensor([1, 0], dtype=torch.int32), torch.float32, segments=8, tree=True)
+assert torch.equal(out3[:3], matmul(x3[[4, 0, 2]], we3[1], torch.float32, segments=8, tree=True))
+assert torch.equal(out3[128:129], matmul(x3[1:2], we3[0], torch.float32, segments=8, tree=True))
 expect_value_errors(lambda: matmul(x, w.float()), lambda: matmul(x, w, segments=3), lambda: matmul(x[:, :100], w))
 print("interpreted-ok")
