@@ -342,7 +342,9 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     cfg = _tiles(segments, tree, x.shape[1])
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
         raise ValueError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
-    block_expert = block_expert.repeat_interleave(ALIGN // cfg["BLOCK_M"])
+    per = ALIGN // cfg["BLOCK_M"]
+    if per > 1:
+        block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
     out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
 

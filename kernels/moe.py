@@ -163,11 +163,12 @@ def _count_kernel(IDS, COUNTS, N, FIRST, NBLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N"])
-def _align_kernel(IDS, COUNTS, ROWS, BLOCK_EXPERT, POS, N, K, FIRST, E, N_BLOCKS, ALIGN: tl.constexpr,
+def _align_kernel(IDS, COUNTS, ROWS, OWN, BLOCK_EXPERT, POS, N, K, FIRST, E, N_BLOCKS, ALIGN: tl.constexpr,
                   NBLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Program e < E: expert e's slots, in slot order, to rows [base, base + count) of its
-    group (base = ALIGN x the blocks of experts before it), its padding rows -1, its blocks
-    marked e. Program E: blocks after the last group marked -1, slots of non-local experts -1."""
+    group (base = ALIGN x the blocks of experts before it; OWN holds the row's own index, the
+    down GEMM's table), its padding rows -1, its blocks marked e. Program E: blocks after the
+    last group marked -1, slots of non-local experts -1."""
     e = tl.program_id(0)
     ex = tl.arange(0, BLOCK_E)
     blocks = (tl.load(COUNTS + ex, mask=ex < E, other=0) + ALIGN - 1) // ALIGN
@@ -182,10 +183,12 @@ def _align_kernel(IDS, COUNTS, ROWS, BLOCK_EXPERT, POS, N, K, FIRST, E, N_BLOCKS
             mine = tl.load(IDS + offs, mask=offs < N, other=-1) == FIRST + e
             dest = base + seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1
             tl.store(ROWS + dest, (offs // K).to(tl.int64), mask=mine)
+            tl.store(OWN + dest, dest, mask=mine)
             tl.store(POS + offs, dest, mask=mine)
             seen += tl.sum(mine.to(tl.int32), axis=0)
         pad = count + tl.arange(0, ALIGN)
         tl.store(ROWS + base + pad, tl.full([ALIGN], -1, tl.int64), mask=pad < n_mine * ALIGN)
+        tl.store(OWN + base + pad, tl.full([ALIGN], -1, tl.int64), mask=pad < n_mine * ALIGN)
         for b in range(0, n_mine, NBLOCK):
             bo = b + tl.arange(0, NBLOCK)
             tl.store(BLOCK_EXPERT + first_block + bo, tl.full([NBLOCK], 0, tl.int32) + e, mask=bo < n_mine)
@@ -232,7 +235,7 @@ def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=t
     return y
 
 
-def align(ids: torch.Tensor, first_expert: int, num_local: int):
+def align(ids: torch.Tensor, first_expert: int, num_local: int, own: bool = False):
     """Expert-sorted row table, sync-free (CUDA-graph safe), padded per expert to ALIGN rows.
 
     Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1) and
@@ -240,12 +243,14 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int):
     expert, slots keep (token, slot) order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks.
     Two launches (``_count_kernel``, ``_align_kernel``: one program per local expert, plus one for
     the unused blocks and the slots of other ranks' experts); rows of unused blocks are undefined.
+    ``own=True`` appends the down GEMM's table: each real row's own index, padding -1.
     """
     t, k = ids.shape
     n = t * k
     dev = ids.device
     n_blocks = triton.cdiv(n, ALIGN) + num_local
     rows = torch.empty(n_blocks * ALIGN, dtype=torch.int64, device=dev)
+    own_rows = torch.empty_like(rows)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     pos = torch.empty(n, dtype=torch.int64, device=dev)
     counts = torch.empty(num_local, dtype=torch.int32, device=dev)
@@ -254,9 +259,9 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int):
         _count_kernel[(num_local,)](flat, counts, n, first_expert, NBLOCK=NBLOCK)
     else:
         counts.zero_()
-    _align_kernel[(num_local + 1,)](flat, counts, rows, block_expert, pos, n, k, first_expert, num_local, n_blocks,
-                                    ALIGN=ALIGN, NBLOCK=NBLOCK, BLOCK_E=triton.next_power_of_2(num_local))
-    return rows, block_expert, pos
+    _align_kernel[(num_local + 1,)](flat, counts, rows, own_rows, block_expert, pos, n, k, first_expert, num_local,
+                                    n_blocks, ALIGN=ALIGN, NBLOCK=NBLOCK, BLOCK_E=triton.next_power_of_2(num_local))
+    return (rows, block_expert, pos, own_rows) if own else (rows, block_expert, pos)
 
 
 def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):
@@ -270,15 +275,14 @@ def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):
 def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.Tensor:
     """fp32 [T*k, H] slot-major outputs of this rank's experts (their subtree roots when the
     intermediate dim is sharded); zero in the slots of experts owned elsewhere."""
-    rows, block_expert, pos = align(ids, first_expert, w13.shape[0])
-    e_sorted = _expert_sorted(x, rows, block_expert, w13, w2, segments)
+    rows, block_expert, pos, own = align(ids, first_expert, w13.shape[0], own=True)
+    e_sorted = _expert_sorted(x, rows, own, block_expert, w13, w2, segments)
     return torch.where((pos >= 0)[:, None], e_sorted[pos.clamp(min=0)], 0.0)
 
 
-def _expert_sorted(x, rows, block_expert, w13, w2, segments):
+def _expert_sorted(x, rows, own, block_expert, w13, w2, segments):
     h = silu_mul(grouped_matmul(x, w13, rows, block_expert))
-    down_rows = torch.where(rows >= 0, torch.arange(rows.shape[0], device=x.device), -1)
-    return grouped_matmul(h, w2, down_rows, block_expert, torch.float32, segments, tree=True)
+    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=True)
 
 
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None):
@@ -292,8 +296,8 @@ def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=Non
     segments = _segments_for(_world(tp_group), w2.shape[2])
     w, ids = route(matmul(x, router_w), top_k, norm_topk)
     if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
-        rows, block_expert, pos = align(ids, 0, e_local)
-        return combine(_expert_sorted(x, rows, block_expert, w13, w2, segments), pos.view(-1, top_k), w, x.dtype)
+        rows, block_expert, pos, own = align(ids, 0, e_local, own=True)
+        return combine(_expert_sorted(x, rows, own, block_expert, w13, w2, segments), pos.view(-1, top_k), w, x.dtype)
     first = rank_in(ep_group) * e_local
     e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments), tp_group)
     e = sum_exact(e, ep_group)  # each slot is non-zero on exactly one EP rank
