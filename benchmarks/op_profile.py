@@ -116,6 +116,34 @@ def _reqs(n: int, length: int, seed: int, vocab: int):
     return out
 
 
+def _host_split(runner, batch, state, torch, n=20) -> dict:
+    """Median synchronized wall time of a decode step's three parts (what ``one_batch.decode``
+    runs): batch preparation, the model forward (graph replay), the sampler (outside graphs)."""
+    import time
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    mr = runner.torch_runner
+    parts = {"prepare": [], "forward": [], "sample": []}
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.input_ids = state["ids"].to(torch.int64)
+        batch.prepare_for_decode()
+        fb = ForwardBatch.init_new(batch, mr, return_hidden_states_before_norm=False)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        out = mr.forward(fb).logits_output
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        state["ids"] = mr.sample(out, fb)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        for k, a, b in (("prepare", t0, t1), ("forward", t1, t2), ("sample", t2, t3)):
+            parts[k].append(1e3 * (b - a))
+    return {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
+
+
 def phase(variant: str, model_path: str, batches: list[int], prefill: int, context: int, steps: int,
           workdir: str) -> dict:
     import torch
@@ -162,6 +190,7 @@ def phase(variant: str, model_path: str, batches: list[int], prefill: int, conte
             t1.synchronize()
             times.append(t0.elapsed_time(t1))
         row["step_ms"] = sorted(times)[len(times) // 2]
+        row["host_ms"] = _host_split(runner, batch, state, torch)
         row["batch"], row["context"] = b, context
         result["decode"][str(b)] = row
         print(f"{variant} decode bs={b}: {row['step_ms']:.3f} ms/step, kernels {row['gpu_us_per_step']:.0f} us",
@@ -191,6 +220,10 @@ def table(results: list[dict]) -> str:
             ratio = f"{vals[-1] / vals[0]:.2f}" if vals[0] else "-"
             lines.append(f"| {op} | " + " | ".join(f"{v:.0f}" for v in vals) + f" | {ratio} |")
         if kind == "decode":
+            for part in ("prepare", "forward", "sample"):
+                vals = [row.get("host_ms", {}).get(part, 0.0) for row in rows]
+                lines.append(f"| host {part} ms (synchronized) | " + " | ".join(f"{v:.3f}" for v in vals) + " | "
+                             + (f"{vals[-1] / vals[0]:.2f}" if vals[0] else "-") + " |")
             lines.append("| step (CUDA events) ms | " + " | ".join(f"{row['step_ms']:.3f}" for row in rows) + " | "
                          + (f"{rows[-1]['step_ms'] / rows[0]['step_ms']:.2f}" if rows[0]["step_ms"] else "-") + " |")
     return "\n".join(lines)
