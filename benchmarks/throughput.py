@@ -1,14 +1,20 @@
 """End-to-end rollout throughput: stock SGLang, SGLang's deterministic mode alone, and
-``--true-on-policy`` (with and without returned log-probs), same model and flags, one engine
-per subprocess, ``--repeats`` timed runs each (median reported).
+``--true-on-policy`` (with and without returned log-probs), same model and workload, variants
+alternated pass by pass in one run.
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry embedded] [--prompts 256] \\
-        [--new-tokens 512] [--repeats 3] [--variants stock deterministic tpo tpo_no_logprob] [--out X.json]
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
+        [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
+        [--variants stock deterministic tpo tpo_no_logprob] [--out X.json]
 
-Prints one table: variant, tokens/s of each run, median, ratio to stock's median. The split
-between "deterministic" and "tpo" separates what SGLang's deterministic mode costs (which the
-contract requires) from what the overlay's kernels add; "tpo_no_logprob" shows the cost of
-returning log-probs. Acceptance item 7 (``true_on_policy.acceptance``) is one run per side.
+Each variant is one engine in its own process, all started first, one after the other; each
+gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
+memory just before it starts, since SGLang charges the fraction against the memory free at its
+start); each is warmed up with the whole workload; then pass r of every variant runs before pass
+r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
+once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
+counts completion tokens over wall time. The table gives every pass, the median and the ratio to
+stock's median. "deterministic" separates what SGLang's deterministic mode costs (which the
+contract requires) from what the overlay adds; "tpo_no_logprob" shows the cost of log-probs.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import time
 VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob")
 
 
-def _engine(name, model_path):
-    kw = dict(model_path=model_path, mem_fraction_static=0.4, random_seed=0, log_level="error")
+def _engine(name, model_path, mem):
+    kw = dict(model_path=model_path, mem_fraction_static=mem, random_seed=0, log_level="error")
     if name in ("stock", "deterministic"):
         import sglang
 
@@ -39,68 +45,132 @@ def _engine(name, model_path):
     return TrueOnPolicyEngine(**kw)
 
 
-def phase(name, model_path, prompts_n, new_tokens, repeats) -> dict:
+def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem) -> None:
+    """Variant process: start the engine, then answer commands on stdin ("warm", "pass R", "quit")
+    with one RESULT line each on stdout."""
+    import json as _json
+
     from true_on_policy.parity import make_prompts
 
-    prompts = make_prompts(prompts_n, 256, 21, 16, 128)
+    with open(os.path.join(model_path, "config.json")) as f:
+        vocab = _json.load(f)["vocab_size"]
+    prompts = make_prompts(prompts_n, vocab, 21, min_len, max_len)
     logprob = name != "tpo_no_logprob"
-    eng = _engine(name, model_path)
-    try:
-        def run(ps, n, seeds):
-            params = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": s} for s in seeds]
-            return eng.generate(input_ids=ps, sampling_params=params, return_logprob=logprob)
+    eng = _engine(name, model_path, mem)
 
-        # warm-up: the whole workload once, so Triton compiles every kernel form (prefill, split
-        # and one-program decode) before the clock starts (a short warm-up left compilation in
-        # the first timed run: rates rose run over run)
-        run(prompts, new_tokens, [5000 + i for i in range(len(prompts))])
-        rates = []
-        for r in range(repeats):
-            t0 = time.perf_counter()
-            outs = run(prompts, new_tokens, [7000 + 1000 * r + i for i in range(len(prompts))])
-            dt = time.perf_counter() - t0
-            rates.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / dt)
+    def run(seed0):
+        params = [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": seed0 + i}
+                  for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=logprob)
+        dt = time.perf_counter() - t0
+        return sum(o["meta_info"]["completion_tokens"] for o in outs), dt
+
+    print("RESULT " + json.dumps({"ready": name}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            seed0 = 5000 if cmd[0] == "warm" else 7000 + 1000 * int(cmd[1])
+            tokens, dt = run(seed0)
+            print("RESULT " + json.dumps({"cmd": cmd, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}),
+                  flush=True)
     finally:
         eng.shutdown()
-    return {"variant": name, "tokens_per_s": rates, "median": statistics.median(rates)}
+
+
+def _free_gb() -> float:
+    """Free memory of the first visible GPU (nvidia-smi: no CUDA context in this process)."""
+    dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[0]) / 1024
+
+
+class _Variant:
+    def __init__(self, name, args, model_path, mem):
+        cmd = [sys.executable, __file__, "--serve", name, "--model-path", model_path, "--prompts", str(args.prompts),
+               "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
+               "--new-tokens", str(args.new_tokens), "--mem", str(mem)]
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ))
+        self.result()  # ready
+
+    def result(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise RuntimeError(f"variant {self.name} exited (rc {self.proc.wait()}) before answering")
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.result()
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=120)
+            except Exception:  # noqa: BLE001 - a stuck engine is killed
+                self.proc.kill()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--geometry", default="embedded")
+    p.add_argument("--geometry", default="a3b6")
     p.add_argument("--model-path")
     p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
     p.add_argument("--out")
-    p.add_argument("--phase", help=argparse.SUPPRESS)
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    p.add_argument("--mem", type=float, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.phase:
-        print("RESULT " + json.dumps(phase(a.phase, a.model_path, a.prompts, a.new_tokens, a.repeats)), flush=True)
+    if a.serve:
+        serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem)
         return 0
     from true_on_policy import tiny_model
     from true_on_policy.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
     model_path = a.model_path or tiny_model.ensure(a.geometry)
-    rows = []
-    for v in a.variants:
-        r = subprocess.run([sys.executable, __file__, "--phase", v, "--model-path", model_path, "--prompts",
-                            str(a.prompts), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)],
-                           capture_output=True, text=True, env=dict(os.environ), timeout=900)
-        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-        if r.returncode or not line:
-            raise RuntimeError(f"variant {v} failed:\n{r.stderr[-3000:]}")
-        rows.append(json.loads(line[-1][len("RESULT "):]))
+    weights_gb = sum(os.path.getsize(os.path.join(model_path, f)) for f in os.listdir(model_path)
+                     if f.endswith(".safetensors")) / 2**30
+    variants, passes, mems = [], {v: [] for v in a.variants}, {}
+    try:
+        for v in a.variants:
+            mems[v] = round(min(0.9, (weights_gb + a.kv_gb) / _free_gb()), 4)  # budget = f * free - weights
+            variants.append(_Variant(v, a, model_path, mems[v]))
+        for var in variants:
+            var.ask("warm")
+        for r in range(a.repeats):
+            for var in variants:
+                passes[var.name].append(var.ask(f"pass {r}"))
+    finally:
+        for var in variants:
+            var.close()
+    rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
+             "median": statistics.median(x["tokens_per_s"] for x in passes[v]),
+             "tokens": [x["tokens"] for x in passes[v]]} for v in a.variants]
     base = next((r["median"] for r in rows if r["variant"] == "stock"), None)
-    print("| variant | tokens/s per run | median | vs stock |\n|---|---|---:|---:|")
+    print("| variant | tokens/s per pass | median | vs stock |\n|---|---|---:|---:|")
     for r in rows:
-        ratio = f"{r['median'] / base:.2f}" if base else "n/a"
+        r["ratio_vs_stock"] = r["median"] / base if base else None
+        ratio = f"{r['ratio_vs_stock']:.2f}" if base else "n/a"
         print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {r['median']:.0f} | {ratio} |")
     if a.out:
-        write_evidence(a.out, {"model_path": model_path, "prompts": a.prompts, "new_tokens": a.new_tokens,
-                               "repeats": a.repeats, "rows": rows}, prov)
+        write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
+                               "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
+                               "repeats": a.repeats, "kv_gb": a.kv_gb, "mem_fraction_static": mems, "alternated": True,
+                               "rows": rows}, prov)
     return 0
 
 

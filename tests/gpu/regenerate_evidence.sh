@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | bench | tp2 (two GPUs) | all (one GPU groups)
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | bench | tp2 (two GPUs) | all (one GPU groups)
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,6 +23,9 @@ case $GROUP in
     run $P --mode tpo --trainer patched --geometry wide --temperature 0.7 --out "$E/parity-tpo-wide-t0.7.json"
     run $P --mode stock --trainer hf --geometry embedded --temperature 1.0 --out "$E/parity-stock-embedded-t1.0.json"
     run $P --mode stock --trainer hf --geometry wide --temperature 0.7 --out "$E/parity-stock-wide-t0.7.json" ;;&
+  realshape|all)  # the Qwen3-30B-A3B layer geometry, 6 layers (random bf16 weights, built on the GPU)
+    run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-a3b6-t1.0.json"
+    run $P --mode stock --trainer hf --geometry a3b6 --temperature 1.0 --out "$E/parity-stock-a3b6-t1.0.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
   rollout|all) run tier gpu-tier-rollout tests/gpu/test_engine_gpu.py tests/gpu/test_server_gpu.py \
@@ -30,13 +33,14 @@ case $GROUP in
   acceptance|all) run python3 -m true_on_policy.acceptance --folder "$E/acceptance-embedded" --resume \
                     --out "$E/acceptance-embedded.json" ;;&
   bench|all)
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --out "$E/bench-kernels.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --out "$E/throughput-embedded.json" ;;
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tokens 1 64 256 4096 --out "$E/bench-kernels.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b6 --out "$E/profile-a3b6.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b6 --out "$E/throughput-a3b6.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json" ;;
-  parity|kernels|trainer|rollout|acceptance|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc
