@@ -125,8 +125,11 @@ def _route_kernel(LOGITS, W_OUT, ID_OUT, stride_l, E, K: tl.constexpr, KP: tl.co
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_g, stride_o, I, IBLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, ROWS, stride_g, stride_o, I, HAS_ROWS: tl.constexpr, IBLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:  # padding rows of the expert table: never read, not computed
+        if tl.load(ROWS + row) < 0:
+            return
     for start in range(0, I, IBLOCK):
         cols = start + tl.arange(0, IBLOCK)
         m = cols < I
@@ -217,11 +220,14 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool = True):
     return w, ids
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 silu(gate) * up per row; with ``rows`` (an expert table), rows marked -1 are skipped
+    (left undefined)."""
     p, two_i = gate_up.shape
     out = torch.empty(p, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     if p:
-        _silu_mul_kernel[(p,)](gate_up, out, gate_up.stride(0), out.stride(0), two_i // 2, IBLOCK=IBLOCK)
+        _silu_mul_kernel[(p,)](gate_up, out, rows if rows is not None else gate_up, gate_up.stride(0), out.stride(0),
+                               two_i // 2, HAS_ROWS=rows is not None, IBLOCK=IBLOCK)
     return out
 
 
@@ -281,7 +287,7 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.T
 
 
 def _expert_sorted(x, rows, own, block_expert, w13, w2, segments):
-    h = silu_mul(grouped_matmul(x, w13, rows, block_expert))
+    h = silu_mul(grouped_matmul(x, w13, rows, block_expert), own)
     return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=True)
 
 

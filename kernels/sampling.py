@@ -213,8 +213,12 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     temp = temperatures(temperature, rows, device)
     stats = shard_stats(logits, temp, SHARDS)
     lse = row_lse(stats)
-    k, p, mp, need = truncation_params(rows, vocab, device, top_k, top_p, min_p)
-    greedy = (k == 1).to(torch.int8)
+    if top_k is None and top_p is None and min_p is None:  # nothing truncates, no row is greedy
+        k = p = mp = None
+        greedy = torch.zeros(rows, dtype=torch.int8, device=device)
+    else:
+        k, p, mp, _ = truncation_params(rows, vocab, device, top_k, top_p, min_p)
+        greedy = (k == 1).to(torch.int8)
     if truncating is None:
         truncating = top_k is not None or top_p is not None or min_p is not None
     dist = None
