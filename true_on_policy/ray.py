@@ -116,7 +116,7 @@ class RolloutEngine:
                        "update_weights_from_tensor")
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl"):
+                                  group_name: str, backend: str = "nccl"):
         return checked(self.engine.engine.init_weights_update_group(master_address, master_port, rank_offset,
                                                                     world_size, group_name, backend=backend),
                        "init_weights_update_group")
@@ -128,7 +128,7 @@ class RolloutEngine:
             names, dtypes, shapes, group_name=group_name, flush_cache=flush_cache, load_format=load_format),
             "update_weights_from_distributed")
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
+    def destroy_weights_update_group(self, group_name: str):
         return checked(self.engine.engine.destroy_weights_update_group(group_name), "destroy_weights_update_group")
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
