@@ -156,3 +156,23 @@ def ipc_named_tensors(named_tensors, tp_size: int = 1) -> list:
     monkey_patch_torch_reductions()  # device by UUID: the receiver may number its GPUs otherwise
     return [(name, LocalSerializedTensor(values=[MultiprocessingSerializer.serialize(t.detach())] * tp_size))
             for name, t in named_tensors]
+
+
+def checkpoint_named_tensors(model):
+    """A transformers Qwen3-MoE's parameters under the checkpoint's names, which SGLang's
+    ``load_weights`` takes: transformers 5 holds each layer's experts fused
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first; ``mlp.experts.down_proj`` [E, H, I]),
+    the checkpoint per expert (``mlp.experts.{e}.gate_proj.weight`` ...). Views, no copies; the
+    other names are the same on both sides (the tests compare with a saved checkpoint)."""
+    for name, p in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("mlp.experts") and leaf == "gate_up_proj":
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                yield f"{prefix}.{e}.gate_proj.weight", p[e, :half]
+                yield f"{prefix}.{e}.up_proj.weight", p[e, half:]
+        elif prefix.endswith("mlp.experts") and leaf == "down_proj":
+            for e in range(p.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", p[e]
+        else:
+            yield name, p

@@ -249,3 +249,27 @@ def test_handshake_through_an_actor_handle(ray_cluster):
     assert len(check_rollout(Holder.remote(V1.fingerprint), contract=V1)) == 1
     with pytest.raises(RolloutMismatchError, match="scheduler pid 1"):
         check_rollout(Holder.remote("0" * 64), contract=V1)
+
+
+def test_checkpoint_names_and_values_are_the_saved_checkpoints(tiny_cache, tmp_path):
+    """HF -> SGLang names: the live model's fused experts, split, equal the checkpoint that
+    ``save_pretrained`` writes (what ``update_weights_from_disk`` loads), name for name, bitwise."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from true_on_policy import tiny_model
+    from true_on_policy.rollout import checkpoint_named_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16)
+    with torch.no_grad():  # distinct values per expert and row, so a swapped slice cannot pass
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.save_pretrained(tmp_path)
+    saved = {}
+    for f in tmp_path.glob("*.safetensors"):
+        saved.update(load_file(f))
+    ours = dict(checkpoint_named_tensors(model))
+    assert sorted(ours) == sorted(saved) and any(".experts.7.up_proj." in k for k in ours)
+    bad = [k for k in ours if not torch.equal(ours[k], saved[k])]
+    assert not bad, bad[:5]
