@@ -103,6 +103,10 @@ class RolloutEngine:
     def fingerprint(self) -> str:
         return self.engine.contract.fingerprint
 
+    def gpu_ids(self) -> list:
+        """``ray.get_gpu_ids()`` of this actor (physical ids, or the node's CUDA_VISIBLE_DEVICES entries)."""
+        return ray.get_gpu_ids()
+
     def server_args(self) -> dict:
         import dataclasses
 
