@@ -55,6 +55,17 @@ EVIDENCE_DIR = EnvVar(
     "evidence/gpu-tier; the driver's default is a temporary folder)",
 )
 
+# --- Ray's, read and set by the rollout actor (true_on_policy.ray) -----------------------------
+RAY_NOSET_CUDA = EnvVar(
+    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+    "1 stops Ray from narrowing CUDA_VISIBLE_DEVICES to an actor's GPUs; the rollout actor then "
+    "finds its bundle's GPU among all visible ones and passes it to SGLang as base_gpu_id",
+)
+CUDA_VISIBLE_DEVICES = EnvVar(
+    "CUDA_VISIBLE_DEVICES",
+    "read by the rollout actor to turn the GPU ids Ray assigned into SGLang's base_gpu_id",
+)
+
 # --- SGLang's, read by us -------------------------------------------------------------------
 SGLANG_PLUGINS = EnvVar(
     "SGLANG_PLUGINS",

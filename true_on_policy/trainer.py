@@ -270,3 +270,28 @@ def _sampling_problems(temperature, top_k, top_p, min_p) -> list[str]:
     if min_p is not None and not (isinstance(min_p, (int, float)) and 0.0 <= min_p <= 1.0):
         out.append(f"min_p must be in [0, 1], got {min_p!r}")
     return out
+
+
+def check_rollout(rollout, model=None, *, contract=None, api_key: str | None = None, timeout: float = 30.0) -> list:
+    """The handshake: the trainer's contract fingerprint against every rollout process's manifest.
+
+    The trainer's contract is the one ``model`` was patched with (``patch_hf_model``), or
+    ``contract`` (a name or a ``Contract``) for a trainer that holds no patched model here.
+    ``rollout``: a list of manifests, a manifest folder, a server's base URL (``api_key`` for its
+    admin-level manifest route) or an object with ``manifests()`` (``TrueOnPolicyEngine``,
+    ``true_on_policy.ray.RolloutEngine`` or its Ray actor handle). Returns the manifests checked;
+    raises ``handshake.RolloutMismatchError`` listing every process on another fingerprint, or when
+    no scheduler manifest is there (``true_on_policy.handshake``)."""
+    from true_on_policy import handshake
+    from true_on_policy.contract import Contract
+
+    if (model is None) == (contract is None):
+        raise TypeError("check_rollout needs the trainer's contract: pass the patched model or contract=, not both")
+    if model is not None:
+        state = getattr(model, _STATE, None)
+        if state is None:
+            raise TrainerPatchError("check_rollout: the model is not patched (patch_hf_model first), so it runs "
+                                    "no contract")
+        contract = state["manifest"].contract
+    c = contract if isinstance(contract, Contract) else get_contract(contract)
+    return handshake.check(rollout, c, api_key=api_key, timeout=timeout)
