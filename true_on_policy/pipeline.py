@@ -56,11 +56,12 @@ def layout_problems(num_layers: int, pp_size: int, partition: str | None) -> lis
     try:
         counts = parse_partition(partition)
     except ValueError as e:
-        return out + [(env, str(e), f"unset it, or list one positive layer count per stage, e.g. "
-                       f"{even_split_text(num_layers, pp_size)}")]
+        return out + [(env, str(e), "unset it, or list one positive layer count per stage"
+                       + (f", e.g. {even_split_text(num_layers, pp_size)}" if pp_size <= num_layers else ""))]
     if counts is None:
         return out
-    fix = f"list {pp_size} positive layer counts summing to {num_layers}, e.g. {even_split_text(num_layers, pp_size)}"
+    fix = f"list {pp_size} positive layer counts summing to {num_layers}" + (
+        f", e.g. {even_split_text(num_layers, pp_size)}" if pp_size <= num_layers else f" (at most {num_layers} stages)")
     if len(counts) != pp_size:
         out.append((env, f"{partition!r} lists {len(counts)} stage(s), --pp-size is {pp_size}", fix))
     if sum(counts) != num_layers:
