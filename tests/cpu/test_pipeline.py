@@ -26,7 +26,7 @@ def test_stage_ranges_are_sglangs(layers, pp, partition, monkeypatch):
     ours = pipeline.stage_ranges(layers, pp, partition)
     assert ours == [get_pp_indices(layers, r, pp) for r in range(pp)]
     assert ours[0][0] == 0 and ours[-1][1] == layers and all(s < e for s, e in ours)
-    assert all(a[1] == b[0] for a, b in zip(ours, ours[1:]))
+    assert all(a[1] == b[0] for a, b in zip(ours, ours[1:], strict=False))
 
 
 @pytest.mark.parametrize("layers,pp,partition,subjects,needle", [
@@ -123,7 +123,6 @@ def _real_load_weights():
 def test_load_weights_loads_own_stage_and_skips_missing_layers(lazy):
     """SGLang's real load_weights behind the patch, on both stages of an uneven PP2 split."""
     from sglang.srt.layers.utils import PPMissingLayer
-
     from true_on_policy.patches.weights import _make_load_weights
 
     load = _make_load_weights(_real_load_weights())
@@ -156,7 +155,6 @@ def test_load_weights_rejects_names_of_no_stage_before_writing():
 
 def test_model_stage_refuses_placeholders_out_of_place():
     from sglang.srt.layers.utils import PPMissingLayer
-
     from true_on_policy.patches.weights import model_stage
 
     model = _stage_model(4, 2, 0)
@@ -168,7 +166,6 @@ def test_model_stage_refuses_placeholders_out_of_place():
 
 def test_direct_load_goes_through_the_stage_map():
     from sglang.srt.model_executor.model_runner_components import weight_updater
-
     from true_on_policy.patches.weights import _make_load_direct
 
     original = getattr(weight_updater._model_load_weights_direct, "__wrapped__",
@@ -187,7 +184,6 @@ def test_update_from_tensor_reads_its_own_pp_tp_payload():
     """The patched worker method with SGLang's real ``_deserialize_own_rank`` indexing after it:
     every (pp, tp) rank of TP2 x PP2 gets a distinct payload, its own."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
     from true_on_policy.patches.weights import _make_from_tensor
 
     def stock(self, req):  # BaseTpWorker.update_weights_from_tensor -> _deserialize_own_rank: [ps.tp_rank]
@@ -231,7 +227,6 @@ def test_update_group_ranks_are_distinct_over_pp_and_tp():
 def test_local_serialized_tensor_indexed_by_global_rank(monkeypatch):
     from sglang.srt.model_executor.model_runner_components import weight_updater as wu
     from sglang.srt.utils import MultiprocessingSerializer
-
     from true_on_policy.patches import weights
 
     original = getattr(wu._unwrap_tensor, "__wrapped__", wu._unwrap_tensor)
@@ -249,7 +244,6 @@ def test_local_serialized_tensor_indexed_by_global_rank(monkeypatch):
 
 def test_engine_serializes_one_payload_per_engine_rank():
     from sglang.srt.entrypoints.engine import Engine
-
     from true_on_policy.patches.weights import _make_serialize
 
     f = Engine.__dict__["_serialize_tensors_per_rank"]
@@ -262,7 +256,6 @@ def test_engine_serializes_one_payload_per_engine_rank():
 
 def test_stage_boundary_must_be_the_unsummed_bf16_pair():
     from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
-
     from true_on_policy.patches.pipeline import check_boundary
 
     model = _W(4).to(torch.bfloat16)
