@@ -12,16 +12,19 @@ from true_on_policy.patches import (
     cuda_graph,
     layernorm,
     linear,
+    pipeline,
     qwen3_moe,
     rope,
     sampler,
     tp_worker,
+    weights,
 )
 
 from true_on_policy import env, patching
 from true_on_policy.manifest import Manifest
 
-PATCHES = (tp_worker, layernorm, linear, communicator, rope, attention_backend, sampler, qwen3_moe, cuda_graph)
+PATCHES = (tp_worker, weights, layernorm, linear, communicator, rope, attention_backend, sampler, qwen3_moe, pipeline,
+           cuda_graph)
 
 _MANIFEST: Manifest | None = None
 

@@ -18,10 +18,11 @@ CAPTURED: dict = {}
 
 
 def _required() -> list[str]:
-    from true_on_policy.patches import attention_backend, layernorm, linear, qwen3_moe, rope, sampler
+    from true_on_policy.patches import attention_backend, layernorm, linear, pipeline, qwen3_moe, rope, sampler
 
     return [layernorm.FORWARD_CUDA, linear.APPLY, rope.FORWARD_NATIVE, attention_backend.EXTEND,
-            attention_backend.DECODE, sampler.LM_HEAD, sampler.SAMPLER, qwen3_moe.MOE_FORWARD]
+            attention_backend.DECODE, sampler.LM_HEAD, sampler.SAMPLER, qwen3_moe.MOE_FORWARD,
+            pipeline.MODEL_FORWARD]
 
 
 def _make_capture(original):

@@ -72,6 +72,11 @@ SGLANG_PLUGINS = EnvVar(
     "SGLang's plugin whitelist; when set it must name our entry point or the overlay is skipped",
 )
 PLUGIN_ENTRY_POINT = "true_on_policy"
+PP_LAYER_PARTITION = EnvVar(
+    "SGLANG_PP_LAYER_PARTITION",
+    "SGLang's per-stage layer counts under pipeline parallel (e.g. 3,2); checked at launch against the "
+    "model's layer count (true_on_policy.pipeline) before any stage is built",
+)
 
 # --- required by contracts (values live in the contract; reasons here) ------------------------
 REQUIRED_WHY = {

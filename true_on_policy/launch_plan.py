@@ -5,7 +5,8 @@ embedded checkpoint when no ``--model-path`` is given, rejects user values that 
 forced argument, appends the forced arguments, lets SGLang resolve the result
 (``prepare_server_args``) and validates the *resolved* object, the environment and the
 installed versions. The checkpoint is checked first (``true_on_policy.model_check``: readable,
-covered, shardable at the requested TP/EP; again at the resolved TP/EP); when it is unreadable or
+covered, shardable at the requested TP/EP, its layers split over the PP stages (``SGLANG_PP_LAYER_PARTITION``
+included); again at the resolved layout); when it is unreadable or
 refused, SGLang is not asked to resolve anything and only what can be checked without the model is
 added. Every violation is collected before one ``PolicyError`` is raised; a refused plan leaves the
 environment as it found it.
@@ -19,12 +20,13 @@ from dataclasses import dataclass, field
 
 from true_on_policy import env
 from true_on_policy.contract import Contract
-from true_on_policy.model_check import check_sharding
+from true_on_policy.model_check import check_pipeline, check_sharding
 from true_on_policy.policy import (
     PolicyError,
     Violation,
     check_args,
     check_env,
+    check_resolved,
     check_versions,
     member,
     model_problems,
@@ -156,7 +158,9 @@ def _defaults_with(kwargs: dict) -> argparse.Namespace:
 def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
     environ = os.environ if environ is None else environ
     ns = unresolved()
-    cfg, model = model_problems(contract, model_path, getattr(ns, "tp_size", 1), getattr(ns, "ep_size", 1))
+    partition = environ.get(env.PP_LAYER_PARTITION.name)
+    cfg, model = model_problems(contract, model_path, getattr(ns, "tp_size", 1), getattr(ns, "ep_size", 1),
+                                getattr(ns, "pp_size", 1), partition)
     early = check_versions(contract) + check_env(contract, environ) + _violations(model)
     if early:  # the model is unreadable or refused: report it with what can be checked without SGLang
         raise PolicyError(contract.name, early + conflicts + check_args(contract, ns))
@@ -167,8 +171,9 @@ def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
         env.restore_saved(saved)
         raise PolicyError(contract.name, conflicts + [Violation("sglang", f"refused the arguments ({e})",
                                                                 "fix the argument it names")]) from e
-    violations = conflicts + check_args(contract, server_args) + _violations(
-        check_sharding(cfg, server_args.tp_size, server_args.ep_size))  # the resolved layout
+    violations = conflicts + check_args(contract, server_args) + check_resolved(contract, server_args) + _violations(
+        check_sharding(cfg, server_args.tp_size, server_args.ep_size)  # the resolved layout
+        + check_pipeline(cfg, server_args.pp_size, partition))
     if violations:
         env.restore_saved(saved)
         raise PolicyError(contract.name, _unique(violations))

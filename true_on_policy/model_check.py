@@ -19,6 +19,10 @@ heads and experts must shard the way SGLang 0.5.17 shards them:
   (``num_kv_head_replicas = divide(tp_size, total_num_kv_heads)``);
 - experts: ``E % ep == 0`` (``FusedMoE``); MoE-TP degree ``tp // ep`` at most ``E``
   (``Qwen3MoeSparseMoeBlock``) and dividing ``moe_intermediate_size`` (``FusedMoE``).
+
+Under pipeline parallelism the decoder layers must split over the stages (``check_pipeline``,
+``true_on_policy.pipeline``): at most one stage per layer, and a ``SGLANG_PP_LAYER_PARTITION`` of
+one positive count per stage summing to ``num_hidden_layers``.
 """
 
 from __future__ import annotations
@@ -105,9 +109,9 @@ def head_dim(cfg) -> int:
 
 
 def check_config(cfg, architectures, supported=("Qwen3MoeForCausalLM",), tp_size: int = 1,
-                 ep_size: int = 1) -> list[ModelProblem]:
+                 ep_size: int = 1, pp_size: int = 1, partition: str | None = None) -> list[ModelProblem]:
     """Every problem of a Qwen3-MoE config (an HF config object) under the contract, at the given
-    rollout TP/EP degrees (1 on the trainer side)."""
+    rollout TP/EP/PP degrees and layer partition (1 and None on the trainer side)."""
     if not set(architectures) & set(supported):
         return [_arch_problem(architectures, supported)]
     out = []
@@ -161,7 +165,15 @@ def check_config(cfg, architectures, supported=("Qwen3MoeForCausalLM",), tp_size
     if inter % TREE_SEGMENTS:
         say("moe_intermediate_size", f"{inter} is not a multiple of {TREE_SEGMENTS}",
             f"the down projection reduces in {TREE_SEGMENTS} fixed segments")
-    return out + check_sharding(cfg, tp_size, ep_size)
+    return out + check_sharding(cfg, tp_size, ep_size) + check_pipeline(cfg, pp_size, partition)
+
+
+def check_pipeline(cfg, pp_size: int = 1, partition: str | None = None) -> list[ModelProblem]:
+    """Problems splitting the config's decoder layers over ``pp_size`` stages (``partition``: the
+    ``SGLANG_PP_LAYER_PARTITION`` text, or None); [] at PP = 1 without a partition."""
+    from true_on_policy.pipeline import layout_problems
+
+    return [ModelProblem(*p) for p in layout_problems(cfg.num_hidden_layers, pp_size, partition)]
 
 
 def check_sharding(cfg, tp_size: int = 1, ep_size: int = 1) -> list[ModelProblem]:
@@ -194,9 +206,10 @@ def check_sharding(cfg, tp_size: int = 1, ep_size: int = 1) -> list[ModelProblem
     return out
 
 
-def check_checkpoint(model_path: str, supported=("Qwen3MoeForCausalLM",), tp_size: int = 1, ep_size: int = 1):
+def check_checkpoint(model_path: str, supported=("Qwen3MoeForCausalLM",), tp_size: int = 1, ep_size: int = 1,
+                     pp_size: int = 1, partition: str | None = None):
     """``(config or None, problems)`` for a local checkpoint folder at the given rollout layout."""
     cfg, problems = read_config(model_path, supported)
     if cfg is None:
         return None, problems
-    return cfg, check_config(cfg, list(cfg.architectures or []), supported, tp_size, ep_size)
+    return cfg, check_config(cfg, list(cfg.architectures or []), supported, tp_size, ep_size, pp_size, partition)

@@ -1,7 +1,9 @@
 """Parity harness — the scoreboard: rollout log-probs vs a trainer's recompute of the same tokens.
 
     python -m true_on_policy.parity --mode {stock,tpo} [--model-path P | --geometry embedded]
-        [--prompts 64] [--new-tokens 64] [--temperature 1.0] [--tp-size 1] --out evidence/X.json
+        [--prompts 64] [--new-tokens 64] [--temperature 1.0] [--tp-size 1] [--pp-size 1] --out evidence/X.json
+
+(``--pp-size`` > 1 needs the preview contract; an uneven split comes from ``SGLANG_PP_LAYER_PARTITION``.)
 
 1. start the engine (stock ``sglang.Engine``, or ``TrueOnPolicyEngine``), sample N prompts of
    mixed lengths x T new tokens with log-probs (one seed per prompt), shut it down;
@@ -38,12 +40,14 @@ def sampled(output: dict) -> tuple[list[int], list[float]]:
 
 
 def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int,
-            contract: str | None = None, ep_size: int = 1, cuda_graph_max_bs: int | None = None):
+            contract: str | None = None, ep_size: int = 1, cuda_graph_max_bs: int | None = None, pp_size: int = 1):
     """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs)."""
     kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
                   log_level="error")
     if ep_size > 1:
         kwargs["ep_size"] = ep_size
+    if pp_size > 1:
+        kwargs["pp_size"] = pp_size
     if cuda_graph_max_bs:
         kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs
     if mode == "stock":
@@ -122,7 +126,7 @@ def compare(rollout_lps: list[list[float]], trainer_lps) -> dict:
 
 
 def run(args) -> dict:
-    from true_on_policy import DEFAULT_CONTRACT, tiny_model
+    from true_on_policy import DEFAULT_CONTRACT, env, tiny_model
     from true_on_policy.contract import get_contract
     from true_on_policy.policy import read_architectures
 
@@ -132,7 +136,7 @@ def run(args) -> dict:
     t0 = time.time()
     outs, manifests, engine_kwargs = rollout(args.mode, model_path, prompts, args.new_tokens,
                                              args.temperature, args.seed, args.tp_size, args.contract, args.ep_size,
-                                             args.cuda_graph_max_bs)
+                                             args.cuda_graph_max_bs, args.pp_size)
     t_rollout = time.time() - t0
     seqs = [p + toks for p, (toks, _) in zip(prompts, outs, strict=True)]
     trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature,
@@ -147,7 +151,8 @@ def run(args) -> dict:
         "config": {"model_path": model_path, "architectures": read_architectures(model_path),
                    "geometry": None if args.model_path else args.geometry, "prompts": args.prompts,
                    "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed,
-                   "tp_size": args.tp_size, "ep_size": args.ep_size, "engine_kwargs": engine_kwargs, **trainer_info},
+                   "tp_size": args.tp_size, "ep_size": args.ep_size, "pp_size": args.pp_size,
+                   "pp_layer_partition": env.PP_LAYER_PARTITION.get(), "engine_kwargs": engine_kwargs, **trainer_info},
         **stats,
         "rollout_seconds": round(t_rollout, 2),
         "manifests": manifests,
@@ -165,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (preview contract; uneven split: "
+                   "SGLANG_PP_LAYER_PARTITION)")
     p.add_argument("--cuda-graph-max-bs", type=int, help="largest captured decode batch (SGLang's default if unset)")
     p.add_argument("--contract", help="true-on-policy contract for --mode tpo (default: the main contract)")
     p.add_argument("--trainer", choices=("hf", "patched"), default="hf",

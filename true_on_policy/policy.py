@@ -81,6 +81,17 @@ def check_args(contract: Contract, server_args) -> list[Violation]:
     return out
 
 
+def check_resolved(contract: Contract, server_args) -> list[Violation]:
+    """Rules on SGLang's *resolved* arguments only (its resolution sets what they check): at an
+    allowed pp > 1 the overlap schedule must be off (SGLang's ``check_server_args`` asserts it)."""
+    pp = getattr(server_args, "pp_size", 1)
+    allowed = any(r.dest == "pp_size" and member(pp, r.allowed) for r in contract.args)
+    if isinstance(pp, int) and pp > 1 and allowed and getattr(server_args, "disable_overlap_schedule", None) is not True:
+        return [Violation("--disable-overlap-schedule", f"off at --pp-size {pp} (SGLang's pipeline scheduler has no "
+                          "overlap mode; its check_server_args refuses the pair)", "pass --disable-overlap-schedule")]
+    return []
+
+
 def check_env(contract: Contract, environ=None) -> list[Violation]:
     environ = os.environ if environ is None else environ
     out = []
@@ -125,27 +136,33 @@ def read_architectures(model_path: str) -> list[str]:
     return list(AutoConfig.from_pretrained(model_path, local_files_only=True).architectures or [])
 
 
-def check_model(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1) -> list[Violation]:
-    """The checkpoint at ``model_path`` under the contract and the rollout layout: one violation per
-    problem (``true_on_policy.model_check``, shared with the engine and the trainer)."""
-    return [Violation(p.subject, p.found, p.fix) for p in model_problems(contract, model_path, tp_size, ep_size)[1]]
+def check_model(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
+                partition: str | None = None) -> list[Violation]:
+    """The checkpoint at ``model_path`` under the contract and the rollout layout (TP, EP, PP and the
+    ``SGLANG_PP_LAYER_PARTITION`` text): one violation per problem (``true_on_policy.model_check``,
+    shared with the engine and the trainer)."""
+    return [Violation(p.subject, p.found, p.fix)
+            for p in model_problems(contract, model_path, tp_size, ep_size, pp_size, partition)[1]]
 
 
-def model_problems(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1):
+def model_problems(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
+                   partition: str | None = None):
     """``(config or None, problems)``; the config is None when the checkpoint cannot be read."""
     from true_on_policy import model_check
 
     if not model_path:
         return None, [model_check.ModelProblem("--model-path", "missing", "pass a Qwen3-MoE checkpoint folder or "
                                                "omit it for the embedded one")]
-    return model_check.check_checkpoint(str(model_path), contract.architectures, tp_size, ep_size)
+    return model_check.check_checkpoint(str(model_path), contract.architectures, tp_size, ep_size, pp_size, partition)
 
 
 def check_all(contract: Contract, server_args, environ=None, installed=_installed) -> list[Violation]:
+    environ = os.environ if environ is None else environ
     return (check_versions(contract, installed) + check_env(contract, environ)
             + check_model(contract, getattr(server_args, "model_path", None),
-                          getattr(server_args, "tp_size", 1), getattr(server_args, "ep_size", 1))
-            + check_args(contract, server_args))
+                          getattr(server_args, "tp_size", 1), getattr(server_args, "ep_size", 1),
+                          getattr(server_args, "pp_size", 1), environ.get(env.PP_LAYER_PARTITION.name))
+            + check_args(contract, server_args) + check_resolved(contract, server_args))
 
 
 def validate(contract: Contract, server_args, environ=None) -> None:

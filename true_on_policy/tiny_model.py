@@ -42,8 +42,10 @@ A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_inte
            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
            rope_theta=1_000_000.0, rms_norm_eps=1e-6, initializer_range=0.02, seed=10)
 A3B48 = dict(A3B, num_hidden_layers=48, seed=11)
+# The same layer geometry at an odd layer count (5): pipeline stages split it unevenly (2 + 3).
+A3B5 = dict(A3B, num_hidden_layers=5, seed=12)
 GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001,
-              "a3b6": A3B, "a3b48": A3B48}
+              "a3b6": A3B, "a3b48": A3B48, "a3b5": A3B5}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

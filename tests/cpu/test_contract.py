@@ -11,6 +11,9 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
 GOLDEN_FINGERPRINT = "4af520e9f1ee125d9c466786a688bfc63a85f06a50be311ebf7bf8b751606157"
+PREVIEW = "qwen3_moe_true_on_policy_tp_preview_v1"
+# The preview changes with its layouts (PP 1-8 since issue 15): pinned too, each change in CHANGELOG ### Contract.
+PREVIEW_FINGERPRINT = "16c0432f225d5df84ff8798724280b8a440aa14ea6165926b0715e4121fbf298"
 
 
 def test_round_trip_is_identity():
@@ -88,12 +91,15 @@ def test_cli_show_prints_contract_and_fingerprint():
     assert bad.returncode == 2 and NAME in bad.stderr
 
 
-def test_tp_preview_contract_widens_only_tp_and_ep():
+def test_tp_preview_contract_widens_only_tp_ep_and_pp():
     v1 = get_contract("qwen3_moe_true_on_policy_v1")
-    pv = get_contract("qwen3_moe_true_on_policy_tp_preview_v1")
-    assert pv.fingerprint != v1.fingerprint
+    pv = get_contract(PREVIEW)
+    assert pv.fingerprint == PREVIEW_FINGERPRINT != v1.fingerprint
     assert pv.arg("tp_size").allowed == pv.arg("ep_size").allowed == (1, 2, 4, 8)
-    assert pv.layouts.rollout_tp == pv.layouts.rollout_ep == (1, 2, 4, 8) and pv.layouts.rollout_pp == (1,)
-    same = [r.dest for r in v1.args if r.dest not in ("tp_size", "ep_size")]
+    assert pv.arg("pp_size").allowed == pv.layouts.rollout_pp == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert v1.arg("pp_size").allowed == v1.layouts.rollout_pp == (1,)
+    assert pv.layouts.rollout_tp == pv.layouts.rollout_ep == (1, 2, 4, 8)
+    assert any("disable_overlap_schedule" in r for r in pv.layouts.rollout_rules)
+    same = [r.dest for r in v1.args if r.dest not in ("tp_size", "ep_size", "pp_size")]
     assert all(pv.arg(d) == v1.arg(d) for d in same) and pv.env == v1.env and pv.numerics == v1.numerics
     assert "tp_preview" in v1.arg("tp_size").alternative

@@ -40,6 +40,37 @@ def test_dry_run_rejects_a_bad_plan_listing_everything(tiny_cache):
     assert "Traceback" not in err
 
 
+PREVIEW = ("--true-on-policy", "--true-on-policy-contract", "qwen3_moe_true_on_policy_tp_preview_v1", "--dry-run")
+
+
+def test_dry_run_accepts_pp2_and_tp2_pp2_in_the_preview(tiny_cache):
+    from true_on_policy.contract import get_contract
+
+    r = _launch(*PREVIEW, "--pp-size", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads(r.stdout)
+    assert plan["fingerprint"] == get_contract("qwen3_moe_true_on_policy_tp_preview_v1").fingerprint
+    assert plan["resolved"]["pp_size"] == 2
+    r = _launch(*PREVIEW, "--pp-size", "2", "--tp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "1,1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (json.loads(r.stdout)["resolved"]["tp_size"], json.loads(r.stdout)["resolved"]["pp_size"]) == (2, 2)
+
+
+def test_dry_run_refuses_pp_layouts_the_model_cannot_split(tiny_cache):
+    """The embedded model has 2 layers: PP3, a partition of zeros or of the wrong sum, all in one message."""
+    r = _launch(*PREVIEW, "--pp-size", "3", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,0,0"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    err = r.stderr[r.stderr.index("error: true-on-policy contract"):]
+    assert "2 violation(s)" in err and "(at most 2 stages)" in err, err
+    assert "--pp-size: 3 stages for 2 decoder layers" in err
+    assert "gives stage(s) [1, 2] no layers" in err and "SGLANG_PP_LAYER_PARTITION" in err
+    assert "--disable-overlap-schedule" not in err  # SGLang resolves it on at pp > 1; not blamed on unresolved args
+    r = _launch(*PREVIEW, "--pp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,1"})
+    assert r.returncode == 2 and "sums to 3, the model has 2 decoder layers" in r.stderr
+    r = _launch("--true-on-policy", "--dry-run", "--pp-size", "2")  # the main contract: PP is the preview's
+    assert r.returncode == 2 and "--pp-size: 2" in r.stderr
+
+
 def test_unknown_contract(tiny_cache):
     r = _launch("--true-on-policy", "--true-on-policy-contract", "nope_v9", "--dry-run")
     assert r.returncode == 2 and "known contracts: qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1" in r.stderr

@@ -42,9 +42,9 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 18, lines
-assert [p.patch for p in m.patches] == ['tp_worker', 'layernorm', 'linear', 'communicator', 'rope', 'attention_backend',
-                                        'sampler', 'qwen3_moe', 'cuda_graph']
+assert len(lines) == len(patching.applied()) == 24, lines
+assert [p.patch for p in m.patches] == ['tp_worker', 'weights', 'layernorm', 'linear', 'communicator', 'rope',
+                                        'attention_backend', 'sampler', 'qwen3_moe', 'pipeline', 'cuda_graph']
 assert all(': ' in l and ' -> ' in l for l in lines)
 assert patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler')) is m
 assert q.Qwen3MoeAttention.__init__ is not orig[0]
@@ -72,7 +72,7 @@ from true_on_policy.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 18 and all(s['installed'] for s in syms), syms
+assert len(syms) == 24 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
@@ -184,16 +184,20 @@ print('ok')
 
 
 def test_main_process_patches_installed_where_looked_up_and_undone():
-    """The launching process's seams (per-request contract, seeds) on the real TokenizerManager."""
+    """The launching process's seams (per-request contract, seeds on the real TokenizerManager; one
+    weight-update payload per (pp, tp) rank on the real Engine)."""
     code = """
 from true_on_policy import patching, plugin
 from true_on_policy.policy import RuntimePolicy
 from true_on_policy.contract import get_contract
 from sglang.srt.managers.tokenizer_manager import TokenizerManager as TM
+from sglang.srt.entrypoints.engine import Engine
+keep = {'serialize': Engine.__dict__['_serialize_tensors_per_rank']}  # not a module global: wrap rewrites those
 before = {n: TM.__dict__[n] for n in ('_create_tokenized_object', '_send_one_request', '_send_batch_request',
                                        '_wait_one_response')}
 records = plugin.install_main_process(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'launcher'))
-assert [r.patch for r in records] == ['request_contract', 'seeds']
+assert [r.patch for r in records] == ['request_contract', 'seeds', 'weights_engine']
+assert Engine.__dict__['_serialize_tensors_per_rank'].__wrapped__ is keep['serialize']
 assert all(TM.__dict__[n] is not f and TM.__dict__[n].__wrapped__ is f for n, f in before.items())
 import inspect
 assert inspect.isasyncgenfunction(TM.__dict__['_wait_one_response'])
@@ -201,6 +205,7 @@ assert plugin.install_main_process(RuntimePolicy(get_contract('qwen3_moe_true_on
 for t in list(patching.applied()):
     patching.undo(t)
 assert all(TM.__dict__[n] is f for n, f in before.items())
+assert Engine.__dict__['_serialize_tensors_per_rank'] is keep['serialize']
 print('ok')
 """
     r = run_py(code)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | bench | tp2 (two GPUs) | all (one GPU groups)
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | bench | tp2 | pp2 (two GPUs each) |
+#        all (the one-GPU groups)
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,6 +41,10 @@ case $GROUP in
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json" ;;
+  pp2)
+    run python3 -m true_on_policy.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
+      --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
+    run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
   parity|kernels|trainer|rollout|acceptance|realshape|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
