@@ -1,0 +1,89 @@
+"""Tile candidates for the MoE down-projection (the grouped 8-segment tree GEMM) at Qwen3-30B-A3B
+shapes: time of each candidate and whether it computes ROW's bits.
+
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/tree_sweep.py [--tokens 1 64 256 4096] [--out X.json]
+
+Inputs as the rollout sees them: random routing of T tokens over 128 experts, top-8, through
+``moe.align``; h [T*8 padded, 768] bf16, w2 [128, 2048, 768]. Each row: candidate tiles (ROW, or
+ROW_FLAT-form tiles), median ms of CUDA-graph replays, the weight bytes of the experts that got a
+row over that time (GB/s; the H200's HBM is ~4.3 TB/s), and ``torch.equal`` with ROW's output on
+every real row. Speed only decides a role's tiles when the bits are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+E, K_TOP, H, INTER = 128, 8, 2048, 768
+CANDIDATES = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+              dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=4),
+              dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=4),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=6),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=4),
+              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+              dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)]
+
+
+def run(tokens):
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w2 = (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.03).bfloat16()
+    rows_out = []
+    print("| tokens | tiles | ms | GB/s (touched experts) | bits == ROW |\n|---:|---|---:|---:|---|")
+    for t in tokens:
+        ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
+        rows, be, _, own = align(ids, 0, E, own=True)
+        h = (torch.randn(rows.shape[0], INTER, device="cuda", generator=g)).bfloat16()
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        touched = int(torch.unique(ids).numel()) * H * INTER * 2
+        ref = None
+        for name, cfg, flat in [("ROW", mm.ROW, False)] + [("flat", c, True) for c in CANDIDATES]:
+            if mm.ALIGN % cfg["BLOCK_M"]:
+                continue
+            per = mm.ALIGN // cfg["BLOCK_M"]
+            bexp = be[:, None].expand(-1, per).reshape(-1) if per > 1 else be
+            out = torch.empty(rows.shape[0], H, dtype=torch.float32, device="cuda")
+
+            def launch(cfg=cfg, flat=flat, bexp=bexp, out=out):
+                grid = (triton.cdiv(rows.shape[0], cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]), 1)
+                mm._matmul_kernel[grid](h, w2, out, own, bexp, rows.shape[0], H, INTER // 8, h.stride(0), h.stride(1),
+                                        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1), 0,
+                                        HAS_IDX=True, GROUPED=True, SEGMENTS=8, SPLIT=False, DOT_F32=False, FLAT=flat,
+                                        **cfg)
+            try:
+                launch()
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    ms = triton.testing.do_bench_cudagraph(launch, rep=100, return_mode="median")
+            except Exception as e:  # noqa: BLE001  (a candidate that does not compile or fit is reported)
+                print(f"| {t} | {name} {cfg} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
+                continue
+            got = out[real].clone()
+            ref = got if ref is None else ref
+            same = bool(torch.equal(got, ref))
+            tag = f"{name} " + "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
+                f" w{cfg['num_warps']} s{cfg['num_stages']}"
+            print(f"| {t} | {tag} | {ms:.4f} | {touched / ms / 1e6:.0f} | {same} |")
+            rows_out.append({"tokens": t, "tiles": tag, "ms": ms, "gbps_touched": touched / ms / 1e6, "same_bits": same})
+    return rows_out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    from true_on_policy.provenance import provenance, write_evidence
+
+    prov = provenance(None if argv is None else ["python", "benchmarks/tree_sweep.py", *argv])
+    rows = run(a.tokens)
+    if a.out:
+        write_evidence(a.out, {"rows": rows}, prov)
+
+
+if __name__ == "__main__":
+    main()
