@@ -5,9 +5,10 @@ shapes: time of each candidate and whether it computes ROW's bits.
 
 Inputs as the rollout sees them: random routing of T tokens over 128 experts, top-8, through
 ``moe.align``; h [T*8 padded, 768] bf16, w2 [128, 2048, 768]. Each row: candidate tiles (ROW, or
-ROW_FLAT-form tiles), median ms of CUDA-graph replays, the weight bytes of the experts that got a
-row over that time (GB/s; the H200's HBM is ~4.3 TB/s), and ``torch.equal`` with ROW's output on
-every real row. Speed only decides a role's tiles when the bits are the same.
+ROW_FLAT-form tiles with ``N_GROUP`` column tiles per program), median ms of CUDA-graph replays,
+the weight bytes of the experts that got a row over that time (GB/s; the H200's HBM is ~4.3
+TB/s), and ``torch.equal`` with ROW's output on every real row. Speed only decides a role's
+tiles when the bits are the same.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import triton
 
 E, K_TOP, H, INTER = 128, 8, 2048, 768
 CANDIDATES = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-              dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=4),
-              dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=4),
               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=6),
-              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=4),
-              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=6, N_GROUP=2),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=6, N_GROUP=4),
+              dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=6, N_GROUP=4),
+              dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+              dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
+              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4),
               dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)]
 
 
@@ -50,7 +54,8 @@ def run(tokens):
             out = torch.empty(rows.shape[0], H, dtype=torch.float32, device="cuda")
 
             def launch(cfg=cfg, flat=flat, bexp=bexp, out=out):
-                grid = (triton.cdiv(rows.shape[0], cfg["BLOCK_M"]), triton.cdiv(H, cfg["BLOCK_N"]), 1)
+                grid = (triton.cdiv(rows.shape[0], cfg["BLOCK_M"]),
+                        triton.cdiv(H, cfg["BLOCK_N"] * cfg.get("N_GROUP", 1)), 1)
                 mm._matmul_kernel[grid](h, w2, out, own, bexp, rows.shape[0], H, INTER // 8, h.stride(0), h.stride(1),
                                         w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1), 0,
                                         HAS_IDX=True, GROUPED=True, SEGMENTS=8, SPLIT=False, DOT_F32=False, FLAT=flat,
@@ -66,7 +71,7 @@ def run(tokens):
             ref = got if ref is None else ref
             same = bool(torch.equal(got, ref))
             tag = f"{name} " + "x".join(str(cfg[a]) for a in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
-                f" w{cfg['num_warps']} s{cfg['num_stages']}"
+                f" w{cfg['num_warps']} s{cfg['num_stages']} g{cfg.get('N_GROUP', 1)}"
             print(f"| {t} | {tag} | {ms:.4f} | {touched / ms / 1e6:.0f} | {same} |")
             rows_out.append({"tokens": t, "tiles": tag, "ms": ms, "gbps_touched": touched / ms / 1e6, "same_bits": same})
     return rows_out

@@ -124,7 +124,7 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
                    HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                   FLAT: tl.constexpr = False):
+                   FLAT: tl.constexpr = False, N_GROUP: tl.constexpr = 1):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     k_base = 0
@@ -148,35 +148,40 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
         a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
     else:
         a_rows = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    if FLAT:
-        acc = _tree_dot_flat(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                             SEGMENTS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if FLAT:  # N_GROUP column tiles per program, one after the other (fewer, longer programs)
+        for g in tl.static_range(N_GROUP):
+            cols = (pid_n * N_GROUP + g) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            acc = _tree_dot_flat(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                                 SEGMENTS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(C.dtype.element_ty),
+                     mask=(out_rows < M)[:, None] & col_ok[None, :])
     else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
         acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base, SEG, stride_am, stride_ak, stride_bn,
                            stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    if SEGMENTS >= 2 and not FLAT:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
-        acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, SEG, SEG, stride_am, stride_ak, stride_bn,
+        if SEGMENTS >= 2:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
+            acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, SEG, SEG, stride_am, stride_ak, stride_bn,
+                                     stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+        if SEGMENTS >= 4:
+            acc = acc + (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 2 * SEG, SEG, stride_am, stride_ak,
+                                      stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                         + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 3 * SEG, SEG, stride_am, stride_ak,
+                                        stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
+        if SEGMENTS >= 8:
+            left = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 4 * SEG, SEG, stride_am, stride_ak, stride_bn,
                                  stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    if SEGMENTS >= 4 and not FLAT:
-        acc = acc + (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 2 * SEG, SEG, stride_am, stride_ak,
-                                  stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-                     + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 3 * SEG, SEG, stride_am, stride_ak,
+                    + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 5 * SEG, SEG, stride_am, stride_ak,
+                                   stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
+            right = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 6 * SEG, SEG, stride_am, stride_ak, stride_bn,
+                                  stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                     + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 7 * SEG, SEG, stride_am, stride_ak,
                                     stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
-    if SEGMENTS >= 8 and not FLAT:
-        left = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 4 * SEG, SEG, stride_am, stride_ak, stride_bn,
-                             stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-                + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 5 * SEG, SEG, stride_am, stride_ak, stride_bn,
-                               stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
-        right = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 6 * SEG, SEG, stride_am, stride_ak, stride_bn,
-                              stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-                 + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 7 * SEG, SEG, stride_am, stride_ak, stride_bn,
-                                stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
-        acc = acc + (left + right)
-    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(C.dtype.element_ty),
-             mask=(out_rows < M)[:, None] & col_ok[None, :])
+            acc = acc + (left + right)
+        tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(C.dtype.element_ty),
+                 mask=(out_rows < M)[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["MN", "stride_s"])
