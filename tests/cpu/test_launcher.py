@@ -167,3 +167,45 @@ def test_routed_experts_and_tokenizer_workers_refused_at_launch(tiny_cache):
     assert r.returncode == 2, r.stdout[-2000:]
     assert "--enable-return-routed-experts" in r.stderr and "--tokenizer-worker-num" in r.stderr
     assert "2 violation(s)" in r.stderr, r.stderr[-2000:]
+
+
+LAYOUTS_4_8 = [["--tp-size", "4"], ["--tp-size", "8"], ["--tp-size", "4", "--ep-size", "4"],
+               ["--tp-size", "8", "--ep-size", "8"], ["--tp-size", "2", "--pp-size", "2"]]
+_PLANS = r"""
+import json, sys
+from transformers import Qwen3MoeConfig
+from true_on_policy.contract import get_contract
+from true_on_policy.launch_plan import build_plan
+geoms = {"Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                               moe_intermediate_size=768),
+         "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                 moe_intermediate_size=1536)}
+out = []
+for name, g in geoms.items():
+    folder = sys.argv[1] + "/" + name
+    Qwen3MoeConfig(vocab_size=151936, intermediate_size=6144, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                   max_position_embeddings=40960, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
+                   **g).save_pretrained(folder)
+    for lay in json.loads(sys.argv[2]):
+        plan = build_plan(get_contract("qwen3_moe_true_on_policy_tp_preview_v1"), ["--model-path", folder, *lay])
+        sa = plan.server_args
+        out.append([name, lay, [sa.tp_size, sa.ep_size, sa.pp_size], plan.env.get("NCCL_NVLS_ENABLE")])
+print("PLANS " + json.dumps(out))
+"""
+
+
+def test_dry_run_plans_of_the_four_and_eight_gpu_layouts(tmp_path):
+    """Issue 18's layouts (TP 4/8, TP x EP 4/8, TP 2 x PP 2) on the 30B-A3B and 235B-A22B geometries
+    (config only): the preview contract plans each, resolved as asked, NVLink multicast off. The runs
+    themselves need the 4- and 8-GPU kinds."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_TRUE_ON_POLICY", "NCCL_"))}
+    r = subprocess.run([sys.executable, "-c", _PLANS, str(tmp_path), json.dumps(LAYOUTS_4_8)], capture_output=True,
+                       text=True, cwd=ROOT, env=e, timeout=300)
+    line = [x for x in r.stdout.splitlines() if x.startswith("PLANS ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    plans = json.loads(line[0][len("PLANS "):])
+    assert len(plans) == 2 * len(LAYOUTS_4_8)
+    for name, lay, resolved, nvls in plans:
+        asked = dict(zip(lay[::2], map(int, lay[1::2])))
+        assert resolved == [asked.get("--tp-size", 1), asked.get("--ep-size", 1), asked.get("--pp-size", 1)], (name, lay)
+        assert nvls == "0", (name, lay)
