@@ -1,6 +1,6 @@
 """Rollout acceptance on one GPU: every claim of the rollout side, measured, in one JSON file.
 
-    python -m true_on_policy.acceptance [--geometry embedded|wide] [--small] [--folder DIR] --out rollout.json
+    python -m true_on_policy.harness.acceptance [--geometry embedded|wide] [--small] [--folder DIR] --out rollout.json
 
 Chain (each link bitwise, ``torch.equal`` on the fp32 log-probs, and equal tokens):
   rollout (CUDA graphs, chunked prefill 128) == patched transformers trainer     (item 1)
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from true_on_policy.parity import make_prompts, sampled
+from true_on_policy.harness.parity import make_prompts, sampled
 
 CHUNK = 128
 PHASES = ("tpo", "eager", "unsplit", "stock", "no_plugin")
@@ -118,7 +118,7 @@ def _engine(name, model_path):
         env.disable_overlay()
         eng = sglang.Engine(attention_backend="triton", sampling_backend="pytorch", log_level="error", **kw)
         return eng, eng
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     kw.update({"eager": {"disable_cuda_graph": True}, "unsplit": {"chunked_prefill_size": -1}}.get(name, {}))
     eng = TrueOnPolicyEngine(**kw)
@@ -127,7 +127,7 @@ def _engine(name, model_path):
 
 def phase(name, model_path, small, out_path):
     """One engine, one subprocess. Writes its raw results, with its provenance, to ``out_path``."""
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance()
     _step(name, "engine starting")
@@ -175,7 +175,7 @@ def phase(name, model_path, small, out_path):
 
 def _reusable(path) -> bool:
     """A finished phase is reused only if it ran from the same source and imported versions."""
-    from true_on_policy import provenance
+    from true_on_policy.harness import provenance
 
     with open(path) as f:
         prev = json.load(f).get("provenance") or {}
@@ -183,7 +183,7 @@ def _reusable(path) -> bool:
 
 
 def _run_phase(name, model_path, small, folder, resume=False):
-    from true_on_policy.provenance import run_logged
+    from true_on_policy.harness.provenance import run_logged
 
     out = os.path.join(folder, f"acceptance-{name}.json")
     if resume and os.path.exists(out):
@@ -196,7 +196,7 @@ def _run_phase(name, model_path, small, folder, resume=False):
     if name == "no_plugin":
         env["SGLANG_PLUGINS"] = "none_but_this_name_matches_nothing"
     log = os.path.join(folder, f"acceptance-{name}.log")
-    cmd = [sys.executable, "-m", "true_on_policy.acceptance", "--phase", name, "--model-path", model_path,
+    cmd = [sys.executable, "-m", "true_on_policy.harness.acceptance", "--phase", name, "--model-path", model_path,
            "--phase-out", out] + (["--small"] if small else [])
     r = run_logged(cmd, log, env=env, timeout=900)  # a provenance header, then the streamed output
     if r.returncode:
@@ -224,8 +224,8 @@ def run(geometry="embedded", small=False, folder=None, resume=False) -> dict:
     log (default: $TRUE_ON_POLICY_EVIDENCE_DIR, else a temporary folder); ``resume`` reuses the
     phases already there that ran from the same source (a run cut short by a time limit continues
     where it stopped); each phase's provenance is kept under ``phases``."""
-    from true_on_policy import tiny_model
-    from true_on_policy.parity import compare, trainer_logprobs
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.parity import compare, trainer_logprobs
 
     model_path = tiny_model.ensure(geometry)
     folder = folder or os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR")
@@ -273,7 +273,7 @@ def run(geometry="embedded", small=False, folder=None, resume=False) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m true_on_policy.acceptance", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m true_on_policy.harness.acceptance", description=__doc__.splitlines()[0])
     p.add_argument("--geometry", default="embedded")
     p.add_argument("--small", action="store_true", help="fewer prompts and tokens (the GPU test tier)")
     p.add_argument("--out")
@@ -286,9 +286,9 @@ def main(argv=None) -> int:
     if a.phase:
         phase(a.phase, a.model_path, a.small, a.phase_out)
         return 0
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
-    prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.acceptance", *argv])
+    prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.acceptance", *argv])
     ev = run(a.geometry, a.small, a.folder, a.resume)
     if a.out:
         write_evidence(a.out, ev, prov)

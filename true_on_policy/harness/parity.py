@@ -1,6 +1,6 @@
 """Parity harness — the scoreboard: rollout log-probs vs a trainer's recompute of the same tokens.
 
-    python -m true_on_policy.parity --mode {stock,tpo} [--model-path P | --geometry embedded]
+    python -m true_on_policy.harness.parity --mode {stock,tpo} [--model-path P | --geometry embedded]
         [--prompts 64] [--new-tokens 64] [--temperature 1.0] [--tp-size 1] [--pp-size 1] --out evidence/X.json
 
 (``--pp-size`` > 1 needs the preview contract; an uneven split comes from ``SGLANG_PP_LAYER_PARTITION``.)
@@ -61,7 +61,7 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
         engine, manifests = sglang.Engine(**kwargs), lambda: []
     elif mode == "tpo":
         from true_on_policy import DEFAULT_CONTRACT
-        from true_on_policy.engine import TrueOnPolicyEngine
+        from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
         engine = TrueOnPolicyEngine(contract=contract or DEFAULT_CONTRACT, **kwargs)
         manifests = engine.manifests
@@ -126,9 +126,10 @@ def compare(rollout_lps: list[list[float]], trainer_lps) -> dict:
 
 
 def run(args) -> dict:
-    from true_on_policy import DEFAULT_CONTRACT, env, tiny_model
+    from true_on_policy import DEFAULT_CONTRACT, env
     from true_on_policy.contract import get_contract
-    from true_on_policy.policy import read_architectures
+    from true_on_policy.contract.policy import read_architectures
+    from true_on_policy.harness import tiny_model
 
     model_path = args.model_path or tiny_model.ensure(args.geometry)
     cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -160,7 +161,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m true_on_policy.parity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m true_on_policy.harness.parity", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=("stock", "tpo"), required=True)
     p.add_argument("--model-path")
     p.add_argument("--geometry", default="embedded", help="tiny checkpoint to build when no --model-path")
@@ -178,9 +179,9 @@ def main(argv=None) -> int:
                    help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
-    prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.parity", *argv])
+    prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.parity", *argv])
     evidence = run(args)
     write_evidence(args.out, evidence, prov)
     keys = ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "rollout_seconds")
