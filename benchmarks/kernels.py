@@ -98,7 +98,7 @@ def _sgl_fused_moe():
         from sglang.srt.layers.moe.topk import StandardTopKOutput
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-        from true_on_policy import tiny_model
+        from true_on_policy.harness import tiny_model
 
         # fused_moe reads SGLang's published runtime config and allocates its output through the
         # TP group (symmetric-memory hook): publish a default config, start a one-rank world
@@ -282,7 +282,7 @@ def main(argv=None):
                     help="graph: CUDA-graph replays, the GPU's time (default); eager: plain launches")
     ap.add_argument("--attention-sweep", action="store_true", help="only the attention configs")
     args = ap.parse_args(argv)
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/kernels.py", *argv])
     TIMING["mode"] = args.timing

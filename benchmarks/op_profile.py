@@ -86,8 +86,8 @@ def _server_args(variant: str, model_path: str, max_bs: int, manifest_dir: str):
         return ServerArgs(attention_backend="triton", sampling_backend="pytorch", **kw)
     from true_on_policy import DEFAULT_CONTRACT, patches
     from true_on_policy.contract import get_contract
-    from true_on_policy.launch_plan import apply_env, build_plan_from_kwargs
-    from true_on_policy.policy import RuntimePolicy
+    from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs
+    from true_on_policy.contract.policy import RuntimePolicy
 
     plan = build_plan_from_kwargs(get_contract(DEFAULT_CONTRACT), kw)
     apply_env(plan, manifest_dir)
@@ -246,8 +246,8 @@ def main(argv=None) -> int:
         r = phase(a.phase, a.model_path, a.batches, a.prefill, a.context, a.steps, a.workdir)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
-    from true_on_policy import tiny_model
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/op_profile.py", *argv])
     model_path = a.model_path or tiny_model.ensure(a.geometry)

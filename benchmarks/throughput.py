@@ -40,7 +40,7 @@ def _engine(name, model_path, mem):
         env.disable_overlay()
         extra = {"enable_deterministic_inference": True} if name == "deterministic" else {}
         return sglang.Engine(attention_backend="triton", sampling_backend="pytorch", **kw, **extra)
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     return TrueOnPolicyEngine(**kw)
 
@@ -50,7 +50,7 @@ def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem) -> Non
     with one RESULT line each on stdout."""
     import json as _json
 
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness.parity import make_prompts
 
     with open(os.path.join(model_path, "config.json")) as f:
         vocab = _json.load(f)["vocab_size"]
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     if a.serve:
         serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem)
         return 0
-    from true_on_policy import tiny_model
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
     model_path = a.model_path or tiny_model.ensure(a.geometry)

@@ -82,7 +82,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/tree_sweep.py", *argv])
     rows = run(a.tokens)

@@ -54,7 +54,7 @@ def _contract_name(value: str) -> str:
 def print_help() -> None:
     """Our flags, then SGLang's own help; builds nothing, reads no checkpoint."""
     from true_on_policy.contract import known_contracts
-    from true_on_policy.launch_plan import sglang_parser
+    from true_on_policy.contract.launch_plan import sglang_parser
 
     print(OWN_HELP.format(default=DEFAULT_CONTRACT, known=", ".join(known_contracts())))
     sglang_parser().print_help()
@@ -122,7 +122,7 @@ def run_true_on_policy(plan, keep_manifests: bool = False) -> None:
     from sglang.srt.utils import kill_process_tree
 
     from true_on_policy import manifest, reaper
-    from true_on_policy.launch_plan import apply_env, exported_env
+    from true_on_policy.contract.launch_plan import apply_env, exported_env
     from true_on_policy.manifest import Manifest
 
     keep = keep_manifests or env.KEEP_MANIFESTS.is_true()
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         run_stock(rest)
         return 0
     from true_on_policy.contract import UnknownContractError, get_contract
-    from true_on_policy.launch_plan import build_plan
-    from true_on_policy.policy import PolicyError
+    from true_on_policy.contract.launch_plan import build_plan
+    from true_on_policy.contract.policy import PolicyError
 
     try:
         contract = get_contract(own["contract"])

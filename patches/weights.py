@@ -7,7 +7,7 @@ norm of other stages, and its ``load_weights`` skips what the stage lacks, but t
 are not PP-aware (upstream fixes were proposed and closed unmerged):
 
 1. ``load_weights`` (initial load, ``update_weights_from_disk``/``_tensor``/``_distributed``): every
-   name is mapped to its stage (``true_on_policy.pipeline.Stage``, read from the module: its
+   name is mapped to its stage (``true_on_policy.contract.pipeline.Stage``, read from the module: its
    ``[start_layer, end_layer)`` and which of embed_tokens / norm is a ``PPMissingLayer``). A stage
    keeps its own names and ignores another stage's; a name of *no* stage (a layer past the last, a
    name that is not a Qwen3-MoE weight) raises, where SGLang skips it silently. A list of updates is
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import copy
 
+from true_on_policy.contract.pipeline import NoStageError, Stage
 from true_on_policy.manifest import PatchRecord
 from true_on_policy.patching import PatchError, wrap
-from true_on_policy.pipeline import NoStageError, Stage
 
 LOAD_WEIGHTS = "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM.load_weights"
 _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater."

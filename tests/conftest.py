@@ -58,7 +58,7 @@ def gpu_evidence():
     session (``$TRUE_ON_POLICY_EVIDENCE_DIR/gpu-tier.json``), with the provenance taken when the
     first test asked for it."""
     from true_on_policy import env
-    from true_on_policy.provenance import provenance, write_evidence
+    from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance()
     records: list[dict] = []

@@ -1,5 +1,5 @@
 """True on-policy RL rollouts for Qwen3-MoE on SGLang 0.5.17: rollout log-probs bitwise equal
-to the trainer's. See README.md; the contract lives in ``true_on_policy.qwen3_moe_v1``."""
+to the trainer's. See README.md; the contract lives in ``true_on_policy.contract.qwen3_moe_v1``."""
 
 import os as _os
 

@@ -47,7 +47,7 @@ CACHE_DIR = EnvVar(
 GIT_COMMIT = EnvVar(
     "TRUE_ON_POLICY_GIT_COMMIT",
     "commit a copy without .git (sent to a GPU host) claims to be; evidence records it as "
-    "git.claimed_commit, which `python -m true_on_policy.provenance --verify` checks by source hash",
+    "git.claimed_commit, which `python -m true_on_policy.harness.provenance --verify` checks by source hash",
 )
 EVIDENCE_DIR = EnvVar(
     "TRUE_ON_POLICY_EVIDENCE_DIR",
@@ -55,7 +55,7 @@ EVIDENCE_DIR = EnvVar(
     "evidence/gpu-tier; the driver's default is a temporary folder)",
 )
 
-# --- Ray's, read and set by the rollout actor (true_on_policy.ray) -----------------------------
+# --- Ray's, read and set by the rollout actor (true_on_policy.rollout.ray) -----------------------------
 RAY_NOSET_CUDA = EnvVar(
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
     "1 stops Ray from narrowing CUDA_VISIBLE_DEVICES to an actor's GPUs; the rollout actor then "
@@ -75,7 +75,7 @@ PLUGIN_ENTRY_POINT = "true_on_policy"
 PP_LAYER_PARTITION = EnvVar(
     "SGLANG_PP_LAYER_PARTITION",
     "SGLang's per-stage layer counts under pipeline parallel (e.g. 3,2); checked at launch against the "
-    "model's layer count (true_on_policy.pipeline) before any stage is built",
+    "model's layer count (true_on_policy.contract.pipeline) before any stage is built",
 )
 
 # --- required by contracts (values live in the contract; reasons here) ------------------------

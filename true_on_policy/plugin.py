@@ -44,7 +44,7 @@ def process_role() -> str:
 
 
 def _register() -> None:
-    from true_on_policy.policy import RuntimePolicy
+    from true_on_policy.contract.policy import RuntimePolicy
 
     policy = RuntimePolicy.from_env(process_role())
     add_rl_target(policy.contract.rl_on_policy_target)
@@ -77,8 +77,8 @@ def add_rl_target(name: str) -> None:
 
 
 def install_validation(policy) -> None:
+    from true_on_policy.contract.policy import validate
     from true_on_policy.patching import after, wrap
-    from true_on_policy.policy import validate
 
     def _validate(_result, server_args, *args, **kwargs):
         validate(policy.contract, server_args)

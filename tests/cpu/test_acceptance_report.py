@@ -7,7 +7,7 @@ import subprocess
 
 import torch
 
-from true_on_policy import acceptance, parity, provenance
+from true_on_policy.harness import acceptance, parity, provenance
 
 ARGS = {"tpo": (128, False), "eager": (128, True), "unsplit": (-1, False), "stock": (128, False),
         "no_plugin": (128, False)}

@@ -8,8 +8,8 @@ import tempfile
 import pytest
 from helpers import run_py
 
+from true_on_policy.contract.policy import PolicyError
 from true_on_policy.manifest import RUN_DIR_PREFIX
-from true_on_policy.policy import PolicyError
 
 PREVIEW = "qwen3_moe_true_on_policy_tp_preview_v1"
 
@@ -25,7 +25,7 @@ def private_tmp(tmp_path, monkeypatch):
 
 
 def test_unreadable_model_reports_only_the_model(tiny_cache, clean_env, private_tmp):
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     with pytest.raises(PolicyError) as e:
         TrueOnPolicyEngine(model_path="/nonexistent")
@@ -40,7 +40,7 @@ def test_no_gpu_raises_before_any_folder_or_process(tiny_cache, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     code = ("import os, tempfile\n"
-            "from true_on_policy.engine import TrueOnPolicyEngine\n"
+            "from true_on_policy.rollout.engine import TrueOnPolicyEngine\n"
             "try:\n    TrueOnPolicyEngine()\n"
             "except Exception as e:\n    print('raised', type(e).__name__, e)\n"
             "print('alive; folders:', [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("
@@ -52,7 +52,7 @@ def test_no_gpu_raises_before_any_folder_or_process(tiny_cache, tmp_path):
 
 
 def test_refused_engine_restores_the_environment(tiny_cache, clean_env, private_tmp):
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     before = dict(os.environ)
     with pytest.raises(PolicyError, match="--tp-size"):  # SGLang's resolution sets NCCL_ALGO at TP 2 first
@@ -65,7 +65,7 @@ def test_refused_engine_restores_the_environment(tiny_cache, clean_env, private_
 def test_failed_start_restores_the_environment(tiny_cache, clean_env, private_tmp, monkeypatch, failure):
     import sglang
 
-    from true_on_policy import engine
+    from true_on_policy.rollout import engine
 
     def broken_engine(server_args):
         raise RuntimeError("scheduler died")

@@ -17,7 +17,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-from true_on_policy import provenance as pv
+from true_on_policy.harness import provenance as pv
 
 EVIDENCE, ARCHIVE = ROOT / "evidence", ROOT / "evidence" / "archive"
 HEX40, HEX64 = re.compile(r"[0-9a-f]{40}"), re.compile(r"[0-9a-f]{64}")
@@ -214,7 +214,7 @@ def test_write_evidence_writes_the_whole_file_once_atomically(tmp_path, monkeypa
 
 
 def test_a_planted_secret_never_reaches_an_evidence_file_or_log(tmp_path):
-    prov = pv.provenance(["python", "-m", "true_on_policy.parity", "--api-key", "SECRET123", "--out", "x.json"])
+    prov = pv.provenance(["python", "-m", "true_on_policy.harness.parity", "--api-key", "SECRET123", "--out", "x.json"])
     payload = {"config": {"engine_kwargs": {"api_key": "SECRET123", "model_path": "/m"}},
                "cmd": "python -m sglang.launch_server --api-key=SECRET123", "url": "https://u:SECRET123@host/x",
                "argv": ["--admin-api-key", "SECRET123"], "tokens": 4096}

@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from true_on_policy.contract import get_contract
-from true_on_policy.handshake import MANIFEST_ROUTE, RolloutMismatchError
 from true_on_policy.manifest import Manifest
 from true_on_policy.trainer import TrainerPatchError, check_rollout
+from true_on_policy.trainer.handshake import MANIFEST_ROUTE, RolloutMismatchError
 
 V1, PREVIEW = "qwen3_moe_true_on_policy_v1", "qwen3_moe_true_on_policy_tp_preview_v1"
 ADMIN = "ADMINKEY333"
@@ -153,7 +153,7 @@ def hf_model(tiny_cache):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy import tiny_model
+    from true_on_policy.harness import tiny_model
 
     return AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16).eval()
 

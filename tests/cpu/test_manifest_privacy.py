@@ -103,7 +103,7 @@ from sglang.srt.entrypoints import http_server
 from sglang.srt.utils.auth import AuthLevel
 from launch import server
 from true_on_policy.contract import get_contract
-from true_on_policy.launch_plan import build_plan
+from true_on_policy.contract.launch_plan import build_plan
 
 plan = build_plan(get_contract("qwen3_moe_true_on_policy_v1"), ["--api-key", "SECRET123", "--admin-api-key=ADMIN456"])
 MODE = "__MODE__"
@@ -173,13 +173,13 @@ def test_engine_removes_its_folder(tiny_cache, clean_env, tmp_path, monkeypatch,
     import sglang
 
     from true_on_policy.contract import get_contract
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # new_run_dir lands here
     fp = get_contract("qwen3_moe_true_on_policy_v1").fingerprint
     fake = _FakeEngine(0 if case == "refused" else 1, fp, fail=case.startswith("failed"))
     monkeypatch.setattr(sglang, "Engine", fake)
-    monkeypatch.setattr("true_on_policy.engine.cuda_available", lambda: True)  # the fake needs no GPU
+    monkeypatch.setattr("true_on_policy.rollout.engine.cuda_available", lambda: True)  # the fake needs no GPU
     if case == "started":
         eng = TrueOnPolicyEngine(mem_fraction_static=0.3)
         assert sorted(m["role"] for m in eng.manifests()) == ["engine", "scheduler"]

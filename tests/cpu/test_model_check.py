@@ -8,10 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from true_on_policy import model_check
-from true_on_policy.contract import get_contract
-from true_on_policy.launch_plan import build_plan_from_kwargs
-from true_on_policy.policy import PolicyError, check_model
+from true_on_policy.contract import get_contract, model_check
+from true_on_policy.contract.launch_plan import build_plan_from_kwargs
+from true_on_policy.contract.policy import PolicyError, check_model
 from true_on_policy.trainer import TrainerPatchError, patch_hf_model
 
 C = get_contract("qwen3_moe_true_on_policy_v1")

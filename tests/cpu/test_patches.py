@@ -36,7 +36,7 @@ print('ok')
 def test_apply_all_and_undo_all_restore_everything():
     code = """
 from true_on_policy import patches, patching
-from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract.policy import RuntimePolicy
 from true_on_policy.contract import get_contract
 import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
@@ -68,7 +68,7 @@ def test_manifest_tells_patched_from_stock():
 import json
 from true_on_policy import patches, patching
 from true_on_policy.contract import get_contract
-from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
@@ -162,7 +162,7 @@ from true_on_policy import patches
 from true_on_policy.contract import get_contract
 from true_on_policy.patches.linear import REDUCED
 from true_on_policy.patching import PatchError
-from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract.policy import RuntimePolicy
 patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 y = torch.ones(2, 3)
 setattr(y, REDUCED, True)
@@ -188,7 +188,7 @@ def test_main_process_patches_installed_where_looked_up_and_undone():
     weight-update payload per (pp, tp) rank on the real Engine)."""
     code = """
 from true_on_policy import patching, plugin
-from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract.policy import RuntimePolicy
 from true_on_policy.contract import get_contract
 from sglang.srt.managers.tokenizer_manager import TokenizerManager as TM
 from sglang.srt.entrypoints.engine import Engine

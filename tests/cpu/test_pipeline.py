@@ -7,9 +7,9 @@ import types
 import pytest
 import torch
 
-from true_on_policy import pipeline
+from true_on_policy.contract import pipeline
+from true_on_policy.contract.pipeline import NoStageError, Stage
 from true_on_policy.patching import PatchError
-from true_on_policy.pipeline import NoStageError, Stage
 
 LAYOUTS = [(2, 1, None), (2, 2, None), (5, 2, None), (5, 2, "3,2"), (5, 2, "1,4"), (7, 3, None), (48, 8, None),
            (48, 5, None), (7, 3, "2,2,3"), (4, 4, None)]
@@ -50,7 +50,7 @@ def test_bad_layouts_are_refused_with_the_fix(layers, pp, partition, subjects, n
 def test_model_check_refuses_a_layout_the_model_cannot_split():
     from transformers import Qwen3MoeConfig
 
-    from true_on_policy import model_check
+    from true_on_policy.contract import model_check
 
     cfg = Qwen3MoeConfig(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                          hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)

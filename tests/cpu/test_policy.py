@@ -5,8 +5,8 @@ import json
 import pytest
 
 from true_on_policy.contract import get_contract
-from true_on_policy.launch_plan import build_plan, build_plan_from_kwargs
-from true_on_policy.policy import PolicyError, check_env, check_model, check_versions
+from true_on_policy.contract.launch_plan import build_plan, build_plan_from_kwargs
+from true_on_policy.contract.policy import PolicyError, check_env, check_model, check_versions
 
 C = get_contract("qwen3_moe_true_on_policy_v1")
 

@@ -1,4 +1,4 @@
-"""The Ray rollout actor on CPU: ``true_on_policy.ray`` refuses to import without Ray, naming the
+"""The Ray rollout actor on CPU: ``true_on_policy.rollout.ray`` refuses to import without Ray, naming the
 extra; its ``runtime_env``, the actor's own environment check, the GPU it picks (``base_gpu_id``),
 the per-sample records and the weight-sync wrappers. Tests that need Ray run on a local Ray
 cluster without GPUs and are skipped where Ray is not installed (CI installs only ``.[dev]``)."""
@@ -12,7 +12,7 @@ from helpers import ROOT
 
 from true_on_policy import env
 from true_on_policy.contract import get_contract
-from true_on_policy.rollout import (
+from true_on_policy.rollout.actor import (
     PlacementError,
     WeightSyncError,
     actor_env_problems,
@@ -28,9 +28,9 @@ V1 = get_contract("qwen3_moe_true_on_policy_v1")
 
 def test_import_without_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    monkeypatch.delitem(sys.modules, "true_on_policy.ray", raising=False)
+    monkeypatch.delitem(sys.modules, "true_on_policy.rollout.ray", raising=False)
     with pytest.raises(ImportError, match=r'pip install "true-on-policy-sglang\[ray\]"'):
-        importlib.import_module("true_on_policy.ray")
+        importlib.import_module("true_on_policy.rollout.ray")
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -147,7 +147,7 @@ def ray_mod():
 def test_weight_methods_have_sglang_engines_signatures(ray_mod):
     from sglang.srt.entrypoints.engine import Engine
 
-    from true_on_policy.ray import RolloutEngine
+    from true_on_policy.rollout.ray import RolloutEngine
 
     for name in _wrapper_names():
         ours, theirs = inspect.signature(getattr(RolloutEngine, name)), inspect.signature(getattr(Engine, name))
@@ -166,7 +166,7 @@ class _FakeSGLang:
 def _actor_with(fake):
     from types import SimpleNamespace
 
-    from true_on_policy.ray import RolloutEngine
+    from true_on_policy.rollout.ray import RolloutEngine
 
     eng = RolloutEngine.__new__(RolloutEngine)  # no GPU here: the wrappers around a stand-in engine
     eng.engine = SimpleNamespace(engine=fake, contract=V1, server_args=SimpleNamespace(tp_size=1, ep_size=1),
@@ -175,8 +175,8 @@ def _actor_with(fake):
 
 
 def test_weight_wrappers_forward_and_fail_loudly(ray_mod, tiny_cache):
-    from true_on_policy import tiny_model
-    from true_on_policy.policy import PolicyError
+    from true_on_policy.contract.policy import PolicyError
+    from true_on_policy.harness import tiny_model
 
     fake = _FakeSGLang()
     eng = _actor_with(fake)
@@ -209,7 +209,7 @@ def test_worker_gets_the_overlay_env_and_plays_the_launcher(ray_cluster):
         from importlib.metadata import entry_points
 
         from true_on_policy.plugin import process_role
-        from true_on_policy.rollout import actor_env_problems
+        from true_on_policy.rollout.actor import actor_env_problems
 
         eps = {e.name for e in entry_points(group="sglang.srt.plugins")}
         return actor_env_problems(V1, os.environ), process_role(), "true_on_policy" in eps
@@ -222,7 +222,7 @@ def test_worker_gets_the_overlay_env_and_plays_the_launcher(ray_cluster):
 
 def test_actor_refuses_without_runtime_env_and_without_gpu(ray_cluster):
     ray = ray_cluster
-    from true_on_policy.ray import RolloutEngine
+    from true_on_policy.rollout.ray import RolloutEngine
 
     bare = ray.remote(RolloutEngine).options(num_cpus=0).remote()
     with pytest.raises(ray.exceptions.RayActorError, match="not started with the contract's runtime_env"):
@@ -235,8 +235,8 @@ def test_actor_refuses_without_runtime_env_and_without_gpu(ray_cluster):
 
 def test_handshake_through_an_actor_handle(ray_cluster):
     ray = ray_cluster
-    from true_on_policy.handshake import RolloutMismatchError
     from true_on_policy.trainer import check_rollout
+    from true_on_policy.trainer.handshake import RolloutMismatchError
 
     @ray.remote(num_cpus=0)
     class Holder:
@@ -258,8 +258,8 @@ def test_checkpoint_names_and_values_are_the_saved_checkpoints(tiny_cache, tmp_p
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy import tiny_model
-    from true_on_policy.rollout import checkpoint_named_tensors
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.rollout.actor import checkpoint_named_tensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16)
     with torch.no_grad():  # distinct values per expert and row, so a swapped slice cannot pass

@@ -8,7 +8,7 @@ from helpers import run_py
 CODE = r"""
 import torch, types
 from true_on_policy import patches
-from true_on_policy.policy import RuntimePolicy
+from true_on_policy.contract.policy import RuntimePolicy
 from true_on_policy.contract import get_contract
 from true_on_policy.patching import PatchError
 from true_on_policy.patches import layernorm, linear, rope, sampler, cuda_graph, qwen3_moe

@@ -15,7 +15,7 @@ from true_on_policy.kernels.logprobs import token_logprobs
 from true_on_policy.kernels.moe import moe, tp_shard
 from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reduce_scatter
 
-from true_on_policy.provenance import provenance, write_evidence
+from true_on_policy.harness.provenance import provenance, write_evidence
 
 
 def _check(name, got, want, results):

@@ -12,7 +12,7 @@ mkdir -p "$E"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -c "from importlib.metadata import entry_points as e; assert any(x.name == 'true_on_policy' for x in e(group='sglang.srt.plugins'))" 2>/dev/null \
   || bash tests/gpu/dev_install.sh || exit 1
-P="python3 -m true_on_policy.parity --prompts 64 --new-tokens 64"
+P="python3 -m true_on_policy.harness.parity --prompts 64 --new-tokens 64"
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider "$@"; }
 rc=0
 run() { "$@" || { rc=1; echo "FAILED: $*"; }; }
@@ -31,7 +31,7 @@ case $GROUP in
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
   rollout|all) run tier gpu-tier-rollout tests/gpu/test_engine_gpu.py tests/gpu/test_server_gpu.py \
                  tests/gpu/test_rollout_gpu.py tests/gpu/test_sampling_http_gpu.py tests/gpu/test_sampling_engine_gpu.py ;;&
-  acceptance|all) run python3 -m true_on_policy.acceptance --folder "$E/acceptance-embedded" --resume \
+  acceptance|all) run python3 -m true_on_policy.harness.acceptance --folder "$E/acceptance-embedded" --resume \
                     --out "$E/acceptance-embedded.json" ;;&
   bench|all)
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tokens 1 64 256 4096 --out "$E/bench-kernels.json"
@@ -39,10 +39,10 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b6 --out "$E/throughput-a3b6.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
-    run python3 -m true_on_policy.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
+    run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json" ;;
   pp2)
-    run python3 -m true_on_policy.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
+    run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
   parity|kernels|trainer|rollout|acceptance|realshape|all) ;;

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def _sample(eng, prompts, n_new):
     params = [{"temperature": 1.0, "max_new_tokens": n_new, "ignore_eos": True, "sampling_seed": 1000 + i}
               for i in range(len(prompts))]
-    from true_on_policy.parity import sampled
+    from true_on_policy.harness.parity import sampled
 
     pairs = [sampled(o) for o in eng.generate(input_ids=prompts, sampling_params=params)]
     return [t for t, _ in pairs], [lp for _, lp in pairs]
@@ -26,8 +26,8 @@ def test_engine_repeatable_with_manifests(tiny_cache, gpu_evidence):
     import torch
 
     from true_on_policy.contract import get_contract
-    from true_on_policy.engine import TrueOnPolicyEngine
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness.parity import make_prompts
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     prompts = make_prompts(16, 256, seed=3)
     with TrueOnPolicyEngine(mem_fraction_static=0.3) as eng:
@@ -55,8 +55,8 @@ def test_engine_repeatable_with_manifests(tiny_cache, gpu_evidence):
 
 
 def test_parity_harness_tpo_is_bitwise_against_the_patched_trainer(tiny_cache, gpu_evidence, tmp_path):
-    from true_on_policy import parity
-    from true_on_policy.provenance import KEYS
+    from true_on_policy.harness import parity
+    from true_on_policy.harness.provenance import KEYS
 
     out = tmp_path / "parity.json"
     argv = ["--mode", "tpo", "--trainer", "patched", "--prompts", "8", "--new-tokens", "16", "--out", str(out)]
@@ -75,8 +75,8 @@ def test_grpo_group_samples_differ_and_repeat(tiny_cache, gpu_evidence):
     """n > 1 (a GRPO group): deterministic mode alone would give every sample seed 42 and the
     same tokens; the seeds patch gives sample j derive_seed(sampling_seed, j), so the group's
     samples differ, and the same request again reproduces the group bitwise."""
-    from true_on_policy.engine import TrueOnPolicyEngine
-    from true_on_policy.parity import make_prompts, sampled
+    from true_on_policy.harness.parity import make_prompts, sampled
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     prompt = make_prompts(1, 256, seed=5)[0]
     params = {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 7}

@@ -18,8 +18,8 @@ TEMPERATURES = (1.0, 0.7)
 
 
 def _rollout(path, prompts):
-    from true_on_policy.engine import TrueOnPolicyEngine
-    from true_on_policy.parity import sampled
+    from true_on_policy.harness.parity import sampled
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     out = {}
     with TrueOnPolicyEngine(model_path=path, mem_fraction_static=0.3, chunked_prefill_size=128, random_seed=0) as eng:
@@ -62,8 +62,8 @@ def test_rollout_equals_trainer_on_issue13_layouts(geometry, tiny_cache, gpu_evi
 
     import torch
 
-    from true_on_policy import tiny_model
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.parity import make_prompts
 
     path = tiny_model.ensure(geometry)
     cfg = json.loads((Path(path) / "config.json").read_text())

@@ -33,14 +33,14 @@ def _two_gpus():
 
 
 def _engine(path, **kwargs):
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     return TrueOnPolicyEngine(contract=PREVIEW, model_path=path, pp_size=2, mem_fraction_static=0.5,
                               chunked_prefill_size=128, random_seed=0, **kwargs)
 
 
 def _sample(eng, prompts, t, new=24, seed=900):
-    from true_on_policy.parity import sampled
+    from true_on_policy.harness.parity import sampled
 
     params = [{"temperature": t, "max_new_tokens": new, "ignore_eos": True, "sampling_seed": seed + i}
               for i in range(len(prompts))]
@@ -87,8 +87,8 @@ def _stages(manifests):
 
 
 def test_pp2_rollout_equals_the_one_gpu_trainer(tiny_cache, gpu_evidence):
-    from true_on_policy import tiny_model
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.parity import make_prompts
 
     path = tiny_model.ensure("wide")  # 4 layers: 2 + 2
     prompts = make_prompts(64, 256, seed=15, min_len=4, max_len=300)
@@ -106,8 +106,8 @@ def test_pp2_rollout_equals_the_one_gpu_trainer(tiny_cache, gpu_evidence):
 
 @pytest.mark.parametrize("partition", ["3,2", None])
 def test_uneven_pp2_split_with_a_long_prompt(partition, tiny_cache, gpu_evidence, monkeypatch):
-    from true_on_policy import tiny_model
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.parity import make_prompts
 
     if partition is None:
         monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
@@ -151,14 +151,14 @@ def _checkpoint_tensors(path: str, device="cuda"):
 def test_pp2_weight_updates_keep_parity(tiny_cache, gpu_evidence, tmp_path):
     import torch
 
-    from true_on_policy import tiny_model
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.harness.parity import make_prompts
 
     base = tiny_model.ensure("wide")
     new = tmp_path / "perturbed"
     names = _perturbed_copy(base, new)
     cfg = json.loads((Path(base) / "config.json").read_text())
-    from true_on_policy.pipeline import layer_id
+    from true_on_policy.contract.pipeline import layer_id
 
     assert {layer_id(n) for n in names} >= set(range(cfg["num_hidden_layers"])), "a layer kept its weights"
     prompts = make_prompts(16, 256, seed=18, min_len=4, max_len=200)

@@ -1,4 +1,4 @@
-"""GPU tier: the Ray rollout actor (``true_on_policy.ray.RolloutEngine``), one actor on one GPU,
+"""GPU tier: the Ray rollout actor (``true_on_policy.rollout.ray.RolloutEngine``), one actor on one GPU,
 against the patched trainer in this process. NOT YET RUN on a GPU (written on a CPU machine).
 
 Chain: the actor starts under the contract (every scheduler manifest, ``check_rollout`` passes)
@@ -32,8 +32,8 @@ def cluster(tiny_cache):
 
 @pytest.fixture(scope="module")
 def actor(cluster):
-    from true_on_policy import tiny_model
-    from true_on_policy.ray import RolloutEngine
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.rollout.ray import RolloutEngine
 
     Actor = RolloutEngine.remote_class(num_gpus=1, runtime_env_base={"env_vars": cluster})
     eng = Actor.remote(model_path=tiny_model.ensure(), mem_fraction_static=0.3, cuda_graph_max_bs=16)
@@ -49,7 +49,7 @@ def trainer(actor):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy import tiny_model
+    from true_on_policy.harness import tiny_model
     from true_on_policy.trainer import patch_hf_model
 
     actor_gpu = int(ray.get(actor.gpu_ids.remote())[0])
@@ -61,7 +61,7 @@ def trainer(actor):
 
 
 def _rollout(eng):
-    from true_on_policy.parity import make_prompts
+    from true_on_policy.harness.parity import make_prompts
 
     prompts = make_prompts(N_PROMPTS, 256, seed=11)
     params = [{"temperature": T, "max_new_tokens": NEW_TOKENS, "ignore_eos": True, "sampling_seed": 500 + i}
@@ -113,7 +113,7 @@ def test_actor_starts_under_the_contract_and_matches_the_trainer(actor, trainer,
 
 
 def test_update_from_disk_keeps_parity(actor, trainer, tmp_path, gpu_evidence):
-    from true_on_policy import tiny_model
+    from true_on_policy.harness import tiny_model
 
     prompts, before = _rollout(actor)
     _perturb(trainer, seed=1)
@@ -133,8 +133,8 @@ def test_update_from_disk_keeps_parity(actor, trainer, tmp_path, gpu_evidence):
 def test_update_from_tensor_under_cuda_graphs_keeps_parity(actor, trainer, gpu_evidence):
     """CUDA IPC from this process; decode runs the graphs captured at start (8 sequences, captured
     sizes up to 16): a swapped tensor shows as decode tokens off while the prefill token matches."""
-    from true_on_policy.ray import ipc_named_tensors
-    from true_on_policy.rollout import checkpoint_named_tensors
+    from true_on_policy.rollout.actor import checkpoint_named_tensors
+    from true_on_policy.rollout.ray import ipc_named_tensors
 
     [sched] = [m for m in ray.get(actor.manifests.remote()) if m["role"] == "scheduler"]
     graphs = sched["extra"].get("cuda_graph", {})
@@ -160,7 +160,7 @@ def test_update_from_distributed_keeps_parity(actor, trainer, gpu_evidence):
         pytest.skip("NCCL needs the trainer and the rollout on different GPUs")
     from sglang.srt.utils import init_custom_process_group
 
-    from true_on_policy.rollout import checkpoint_named_tensors
+    from true_on_policy.rollout.actor import checkpoint_named_tensors
 
     actor_gpu = int(ray.get(actor.gpu_ids.remote())[0])
     if trainer.device.index == actor_gpu:

@@ -1,5 +1,5 @@
 """Rollout side on one GPU, items 1-7 of the rollout issue (small sample; the full sample is
-``python -m true_on_policy.acceptance --out ...`` and ``python -m true_on_policy.parity``).
+``python -m true_on_policy.harness.acceptance --out ...`` and ``python -m true_on_policy.harness.parity``).
 
 Chain: rollout (graphs, chunked prefill 128) == patched trainer -> alone == batch of 32 ==
 sent while 31 others decode (the run shows they were decoding) -> radix hit (cached tokens > 0)
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_rollout_acceptance_small(tiny_cache, gpu_evidence):
-    from true_on_policy.acceptance import run
+    from true_on_policy.harness.acceptance import run
 
     ev = run("embedded", small=True)
     items = ev["items"]

@@ -18,7 +18,7 @@ def _toks(o):
 
 
 def test_engine_groups_seeds_and_refusals(tiny_cache, gpu_evidence):
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
     with TrueOnPolicyEngine(mem_fraction_static=0.3, random_seed=7) as eng:

@@ -12,12 +12,12 @@ sha256 of ``git diff HEAD`` and of every untracked file's name and content) leav
 (``*.py``, ``*.sh``, ``*.toml`` outside hidden, build and evidence folders) as they are on disk,
 so a copy without ``.git`` (a GPU host) can still be tied to a commit: such a run records
 ``commit`` None, the reason, and the commit the runner claims (``$TRUE_ON_POLICY_GIT_COMMIT``) as
-``claimed_commit``; ``python -m true_on_policy.provenance --verify FILE`` recomputes the source
+``claimed_commit``; ``python -m true_on_policy.harness.provenance --verify FILE`` recomputes the source
 hash at the (claimed) commit from the local repository and says whether it matches.
 
-    python -m true_on_policy.provenance                       # this process's provenance
-    python -m true_on_policy.provenance --log L.log -- CMD..  # L.log: a header line, then CMD's output
-    python -m true_on_policy.provenance --verify evidence/X.json [...]
+    python -m true_on_policy.harness.provenance                       # this process's provenance
+    python -m true_on_policy.harness.provenance --log L.log -- CMD..  # L.log: a header line, then CMD's output
+    python -m true_on_policy.harness.provenance --verify evidence/X.json [...]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _OUTSIDE_EVIDENCE = ("--", ".", ":(exclude)evidence")
 
 def checkout_root() -> Path:
     """The folder holding the ``true_on_policy`` package that is imported (a checkout or not)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parent.parent.parent  # true_on_policy/harness/provenance.py
 
 
 def provenance(argv=None) -> dict:
@@ -257,7 +257,7 @@ def verify(path: str | os.PathLike, repo: str | os.PathLike | None = None) -> tu
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m true_on_policy.provenance", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m true_on_policy.harness.provenance", description=__doc__.splitlines()[0])
     p.add_argument("--log", help="write a provenance header to LOG, then run CMD with its output streamed into LOG")
     p.add_argument("--verify", nargs="+", metavar="FILE", help="check each evidence file's source hash")
     p.add_argument("cmd", nargs=argparse.REMAINDER)

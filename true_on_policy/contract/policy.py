@@ -139,7 +139,7 @@ def read_architectures(model_path: str) -> list[str]:
 def check_model(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
                 partition: str | None = None) -> list[Violation]:
     """The checkpoint at ``model_path`` under the contract and the rollout layout (TP, EP, PP and the
-    ``SGLANG_PP_LAYER_PARTITION`` text): one violation per problem (``true_on_policy.model_check``,
+    ``SGLANG_PP_LAYER_PARTITION`` text): one violation per problem (``true_on_policy.contract.model_check``,
     shared with the engine and the trainer)."""
     return [Violation(p.subject, p.found, p.fix)
             for p in model_problems(contract, model_path, tp_size, ep_size, pp_size, partition)[1]]
@@ -148,7 +148,7 @@ def check_model(contract: Contract, model_path: str | None, tp_size: int = 1, ep
 def model_problems(contract: Contract, model_path: str | None, tp_size: int = 1, ep_size: int = 1, pp_size: int = 1,
                    partition: str | None = None):
     """``(config or None, problems)``; the config is None when the checkpoint cannot be read."""
-    from true_on_policy import model_check
+    from true_on_policy.contract import model_check
 
     if not model_path:
         return None, [model_check.ModelProblem("--model-path", "missing", "pass a Qwen3-MoE checkpoint folder or "

@@ -3,7 +3,7 @@
 Preview. Same numerics, environment and argument rules as ``qwen3_moe_true_on_policy_v1``, except
 ``--tp-size`` and ``--ep-size`` may be 1, 2, 4 or 8 (the divisors of the TP tree's 8 virtual
 segments) and ``--pp-size`` 1 to 8, any degree the model's layer count allows, with SGLang's even
-split or an uneven ``SGLANG_PP_LAYER_PARTITION`` (checked at launch: ``true_on_policy.pipeline``),
+split or an uneven ``SGLANG_PP_LAYER_PARTITION`` (checked at launch: ``true_on_policy.contract.pipeline``),
 and combined with TP/EP. PP needs ``disable_overlap_schedule``: SGLang's resolution sets it at
 pp > 1 and the policy refuses a resolved configuration without it. Pipeline stages change no
 numerics: each stage runs its layers with the same kernels, and the unsummed (h, residual) pair
@@ -23,8 +23,8 @@ geometry. Once the layouts are measured, they move into a new version of the mai
 
 import dataclasses
 
-from true_on_policy import qwen3_moe_v1 as v1
 from true_on_policy.contract import ArgRule, Layouts, register
+from true_on_policy.contract import qwen3_moe_v1 as v1
 
 NAME = "qwen3_moe_true_on_policy_tp_preview_v1"
 DEGREES = (1, 2, 4, 8)

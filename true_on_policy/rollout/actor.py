@@ -1,4 +1,4 @@
-"""The Ray-free half of the rollout actor (``true_on_policy.ray``): its ``runtime_env``, the check
+"""The Ray-free half of the rollout actor (``true_on_policy.rollout.ray``): its ``runtime_env``, the check
 that the actor process got it, the GPU its engine starts on, the per-sample records ``generate``
 returns, and the trainer-side packing of weights for CUDA IPC. Nothing here imports Ray or needs
 a GPU, so all of it is tested on CPU without Ray installed.
@@ -43,7 +43,7 @@ def runtime_env(contract: Contract, base: Mapping | None = None, noset_cuda_visi
     if noset_cuda_visible_devices:
         ours[env.RAY_NOSET_CUDA.name] = "1"
     clash = [f"{k}={given[k]!r} (the contract needs {v!r})" for k, v in ours.items() if k in given and given[k] != v]
-    from true_on_policy.policy import check_env
+    from true_on_policy.contract.policy import check_env
 
     clash += [str(v) for v in check_env(contract, {**given, **ours})]
     if clash:
@@ -57,7 +57,7 @@ def actor_env_problems(contract: Contract, environ: Mapping) -> list[str]:
     ``runtime_env(contract)``, or an equivalent)."""
     out = [f"{k} is {environ.get(k)!r}, the contract needs {v!r}" for k, v in overlay_env(contract).items()
            if environ.get(k) != v]
-    from true_on_policy.policy import check_env
+    from true_on_policy.contract.policy import check_env
 
     out += [str(v) for v in check_env(contract, environ) if not str(v).startswith(tuple(overlay_env(contract)))]
     return out

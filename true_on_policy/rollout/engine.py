@@ -7,7 +7,7 @@ the contract's environment, starts SGLang and checks that every scheduler proces
 overlay under the same contract fingerprint. A refused or failed start leaves ``os.environ`` as it
 found it.
 
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
     with TrueOnPolicyEngine(model_path=..., tp_size=1) as eng:
         out = eng.generate(input_ids=[[1, 2, 3]], sampling_params={"temperature": 1.0})
         eng.manifests()
@@ -39,7 +39,7 @@ class TrueOnPolicyEngine:
     def __init__(self, *, contract: str = DEFAULT_CONTRACT, keep_manifests: bool = False, **sglang_kwargs):
         from true_on_policy import manifest, reaper
         from true_on_policy.contract import get_contract
-        from true_on_policy.launch_plan import apply_env, build_plan_from_kwargs, exported_env
+        from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs, exported_env
 
         saved = env.save()  # every failure below leaves the caller's environment as it was
         self.keep_manifests = keep_manifests or env.KEEP_MANIFESTS.is_true()

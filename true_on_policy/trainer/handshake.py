@@ -8,7 +8,7 @@ manifests from wherever they are and compares. Sources:
   ``--true-on-policy-keep-manifests``);
 - the base URL of a server started by ``python -m launch.server --true-on-policy``: its
   ``GET /true_on_policy/manifest`` (admin auth level: pass ``api_key``);
-- an object with ``manifests()``: ``TrueOnPolicyEngine``, ``true_on_policy.ray.RolloutEngine``, or
+- an object with ``manifests()``: ``TrueOnPolicyEngine``, ``true_on_policy.rollout.ray.RolloutEngine``, or
   a Ray actor handle of one (``handle.manifests.remote()``).
 
 Refused when any process runs another fingerprint, when a manifest has none, and when no

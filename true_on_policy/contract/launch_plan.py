@@ -4,7 +4,7 @@
 embedded checkpoint when no ``--model-path`` is given, rejects user values that contradict a
 forced argument, appends the forced arguments, lets SGLang resolve the result
 (``prepare_server_args``) and validates the *resolved* object, the environment and the
-installed versions. The checkpoint is checked first (``true_on_policy.model_check``: readable,
+installed versions. The checkpoint is checked first (``true_on_policy.contract.model_check``: readable,
 covered, shardable at the requested TP/EP, its layers split over the PP stages (``SGLANG_PP_LAYER_PARTITION``
 included); again at the resolved layout); when it is unreadable or
 refused, SGLang is not asked to resolve anything and only what can be checked without the model is
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from true_on_policy import env
 from true_on_policy.contract import Contract
-from true_on_policy.model_check import check_pipeline, check_sharding
-from true_on_policy.policy import (
+from true_on_policy.contract.model_check import check_pipeline, check_sharding
+from true_on_policy.contract.policy import (
     PolicyError,
     Violation,
     check_args,
@@ -142,7 +142,7 @@ def build_plan_from_kwargs(contract: Contract, kwargs: dict, environ=None) -> La
 
 
 def _embedded_model() -> str:
-    from true_on_policy import tiny_model
+    from true_on_policy.harness import tiny_model
 
     return tiny_model.ensure("embedded")
 

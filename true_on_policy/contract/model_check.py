@@ -21,7 +21,7 @@ heads and experts must shard the way SGLang 0.5.17 shards them:
   (``Qwen3MoeSparseMoeBlock``) and dividing ``moe_intermediate_size`` (``FusedMoE``).
 
 Under pipeline parallelism the decoder layers must split over the stages (``check_pipeline``,
-``true_on_policy.pipeline``): at most one stage per layer, and a ``SGLANG_PP_LAYER_PARTITION`` of
+``true_on_policy.contract.pipeline``): at most one stage per layer, and a ``SGLANG_PP_LAYER_PARTITION`` of
 one positive count per stage summing to ``num_hidden_layers``.
 """
 
@@ -171,7 +171,7 @@ def check_config(cfg, architectures, supported=("Qwen3MoeForCausalLM",), tp_size
 def check_pipeline(cfg, pp_size: int = 1, partition: str | None = None) -> list[ModelProblem]:
     """Problems splitting the config's decoder layers over ``pp_size`` stages (``partition``: the
     ``SGLANG_PP_LAYER_PARTITION`` text, or None); [] at PP = 1 without a partition."""
-    from true_on_policy.pipeline import layout_problems
+    from true_on_policy.contract.pipeline import layout_problems
 
     return [ModelProblem(*p) for p in layout_problems(cfg.num_hidden_layers, pp_size, partition)]
 

@@ -1,7 +1,7 @@
 """A Ray rollout actor: ``TrueOnPolicyEngine`` on the GPUs of a Ray actor or placement-group bundle.
 
     import ray
-    from true_on_policy.ray import RolloutEngine
+    from true_on_policy.rollout.ray import RolloutEngine
     from true_on_policy.trainer import check_rollout
 
     Actor = RolloutEngine.remote_class(num_gpus=1)               # runtime_env carries the contract's env
@@ -28,7 +28,7 @@ Importing this module needs Ray (the ``ray`` extra) but no GPU.
 from __future__ import annotations
 
 from true_on_policy import DEFAULT_CONTRACT, env
-from true_on_policy.rollout import (
+from true_on_policy.rollout.actor import (
     PlacementError,
     WeightSyncError,
     actor_env_problems,
@@ -44,7 +44,7 @@ _EXTRA = 'pip install "true-on-policy-sglang[ray]"'
 try:
     import ray
 except ImportError as e:  # the message names the extra that installs it
-    raise ImportError(f"true_on_policy.ray needs Ray, which is not installed: {_EXTRA}") from e
+    raise ImportError(f"true_on_policy.rollout.ray needs Ray, which is not installed: {_EXTRA}") from e
 
 __all__ = ["RolloutEngine", "PlacementError", "WeightSyncError", "ipc_named_tensors", "runtime_env"]
 
@@ -58,13 +58,13 @@ class RolloutEngine:
         import os
 
         from true_on_policy.contract import get_contract
-        from true_on_policy.engine import TrueOnPolicyEngine
+        from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
         c = get_contract(contract)
         problems = actor_env_problems(c, os.environ)
         if problems:
             raise RuntimeError("RolloutEngine: this actor was not started with the contract's runtime_env "
-                               "(RolloutEngine.remote_class(...), or options(runtime_env=true_on_policy.ray."
+                               "(RolloutEngine.remote_class(...), or options(runtime_env=true_on_policy.rollout.ray."
                                f"runtime_env(get_contract({contract!r})))): " + "; ".join(problems))
         needed = int(sglang_kwargs.get("tp_size", 1)) * int(sglang_kwargs.get("pp_size", 1))
         sglang_kwargs["base_gpu_id"] = base_gpu_id(
@@ -86,7 +86,7 @@ class RolloutEngine:
 
     # --- rollout ------------------------------------------------------------------------------
     def generate(self, input_ids=None, sampling_params=None, prompt=None, **kwargs) -> list[dict]:
-        """One record per sample (``true_on_policy.rollout.samples``): ``output_ids``, ``logprobs``
+        """One record per sample (``true_on_policy.rollout.actor.samples``): ``output_ids``, ``logprobs``
         (the contract's), ``sampling_seed``, ``sampling_params_used``, ``finish_reason``, ``meta_info``."""
         kwargs["return_logprob"] = True
         return samples(self.engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
@@ -137,8 +137,8 @@ class RolloutEngine:
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
         """Reload from ``model_path``, after the same model check as at start (refused: nothing changes)."""
-        from true_on_policy.launch_plan import _violations
-        from true_on_policy.policy import PolicyError, model_problems
+        from true_on_policy.contract.launch_plan import _violations
+        from true_on_policy.contract.policy import PolicyError, model_problems
 
         sa = self.engine.server_args
         _, problems = model_problems(self.engine.contract, model_path, sa.tp_size, sa.ep_size)

@@ -21,9 +21,9 @@ import types
 
 import torch
 
-from true_on_policy import providers
 from true_on_policy.contract import get_contract
 from true_on_policy.manifest import Manifest, PatchRecord
+from true_on_policy.trainer import providers
 
 ATTENTION_NAME = "true_on_policy"
 _STATE = "_true_on_policy_state"
@@ -34,9 +34,9 @@ class TrainerPatchError(ValueError):
 
 
 def _check_model(model, contract) -> list[str]:
-    """The launcher's and the engine's model check (``true_on_policy.model_check``) on this model's
+    """The launcher's and the engine's model check (``true_on_policy.contract.model_check``) on this model's
     config and class, plus what only a loaded model shows: every parameter bf16."""
-    from true_on_policy.model_check import check_config
+    from true_on_policy.contract.model_check import check_config
 
     problems = [str(p) for p in check_config(model.config, [type(model).__name__], contract.architectures)]
     if type(model).__name__ not in contract.architectures:
@@ -142,7 +142,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
         module._true_on_policy_ops = ops
         module.forward = types.MethodType(fn, module)
         replaced.append(f"{label}: {type(module).__module__}.{type(module).__qualname__}.forward -> "
-                        f"true_on_policy.trainer.{fn.__name__}")
+                        f"true_on_policy.trainer.hf.{fn.__name__}")
 
     for name, mod in model.named_modules():
         cls = type(mod).__name__
@@ -279,11 +279,11 @@ def check_rollout(rollout, model=None, *, contract=None, api_key: str | None = N
     ``contract`` (a name or a ``Contract``) for a trainer that holds no patched model here.
     ``rollout``: a list of manifests, a manifest folder, a server's base URL (``api_key`` for its
     admin-level manifest route) or an object with ``manifests()`` (``TrueOnPolicyEngine``,
-    ``true_on_policy.ray.RolloutEngine`` or its Ray actor handle). Returns the manifests checked;
+    ``true_on_policy.rollout.ray.RolloutEngine`` or its Ray actor handle). Returns the manifests checked;
     raises ``handshake.RolloutMismatchError`` listing every process on another fingerprint, or when
-    no scheduler manifest is there (``true_on_policy.handshake``)."""
-    from true_on_policy import handshake
+    no scheduler manifest is there (``true_on_policy.trainer.handshake``)."""
     from true_on_policy.contract import Contract
+    from true_on_policy.trainer import handshake
 
     if (model is None) == (contract is None):
         raise TypeError("check_rollout needs the trainer's contract: pass the patched model or contract=, not both")

@@ -191,4 +191,4 @@ def known_contracts() -> list[str]:
 
 
 def _load_builtin() -> None:
-    from true_on_policy import qwen3_moe_tp_preview_v1, qwen3_moe_v1  # noqa: F401  (register on import)
+    from true_on_policy.contract import qwen3_moe_tp_preview_v1, qwen3_moe_v1  # noqa: F401  (register on import)
