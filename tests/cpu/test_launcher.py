@@ -175,7 +175,7 @@ _PLANS = r"""
 import json, sys
 from transformers import Qwen3MoeConfig
 from true_on_policy.contract import get_contract
-from true_on_policy.launch_plan import build_plan
+from true_on_policy.contract.launch_plan import build_plan
 geoms = {"Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                moe_intermediate_size=768),
          "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
