@@ -17,9 +17,9 @@ import torch.distributed as dist
 from true_on_policy.megatron import convert
 
 
-def _gather_all(model, group) -> list[tuple[convert.Rank, dict]]:
+def _gather_all(model, group, grads: bool = False) -> list[tuple[convert.Rank, dict]]:
     me = convert.Rank.from_parallel_state()
-    sd = convert.megatron_state(model)
+    sd = {k: p.grad.detach() for k, p in model.named_parameters()} if grads else convert.megatron_state(model)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [(me, sd)]
     n = dist.get_world_size(group)
@@ -35,9 +35,10 @@ def _gather_all(model, group) -> list[tuple[convert.Rank, dict]]:
     return list(zip(ranks, parts, strict=True))
 
 
-def hf_state_dict(model, fused: bool = True, group=None) -> dict:
-    """The full Hugging Face state dict of a (sharded) Megatron model, on every rank of ``group``."""
-    return convert.to_hf(_gather_all(model, group), model.true_on_policy_hf, fused=fused)
+def hf_state_dict(model, fused: bool = True, group=None, grads: bool = False) -> dict:
+    """The full Hugging Face state dict of a (sharded) Megatron model, on every rank of ``group``
+    (``grads=True``: its gradients, under the same names; every parameter must have one)."""
+    return convert.to_hf(_gather_all(model, group, grads), model.true_on_policy_hf, fused=fused)
 
 
 def sglang_named_tensors(model, group=None) -> list[tuple[str, torch.Tensor]]:

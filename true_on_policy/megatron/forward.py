@@ -149,6 +149,26 @@ def unpatch_megatron_model(model) -> bool:
     return True
 
 
+def finalize_grads(model) -> list[str]:
+    """All-reduce over TP the gradients this forward leaves partial on each TP rank: the q/k norm
+    weights (each rank normalises its own heads) and, under sequence parallel, the layer and final
+    norms and the router (each rank runs them on its own row chunk). Call it after ``backward`` in
+    place of megatron-core's layernorm-gradient all-reduce (its ``sequence_parallel`` attributes
+    were not checked against this forward). Data-parallel (and EP-as-DP) gradient sums stay
+    megatron-core's DDP's job. Returns the names reduced."""
+    g = getattr(model, _STATE).groups
+    if comm.world(g.tp) == 1:
+        return []
+    keys = ("q_layernorm", "k_layernorm") + (("input_layernorm", "pre_mlp_layernorm", "final_layernorm",
+                                                 "mlp.router") if g.sequence_parallel else ())
+    done = []
+    for name, p in model.named_parameters():
+        if p.grad is not None and any(f".{k}." in f".{name}" for k in keys):
+            torch.distributed.all_reduce(p.grad, group=g.tp)
+            done.append(name)
+    return done
+
+
 def _input_problems(f, input_ids, attention_mask) -> list[str]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         return [f"input_ids must be a [batch, seq >= 2] tensor, got {tuple(getattr(input_ids, 'shape', ()))}"]
