@@ -21,8 +21,13 @@ Built and CPU-tested (tests/cpu/test_megatron.py); not yet run on GPUs.
 from true_on_policy.megatron.config import MegatronLayoutError, build_model, hf_fields, padded_vocab
 from true_on_policy.megatron.convert import Rank, load_hf, to_hf, to_megatron
 from true_on_policy.megatron.export import hf_state_dict, sglang_named_tensors
-from true_on_policy.megatron.forward import (check_rollout, finalize_grads, patch_megatron_model, token_logprobs,
-                                             unpatch_megatron_model)
+from true_on_policy.megatron.forward import (
+                                             check_rollout,
+                                             finalize_grads,
+                                             patch_megatron_model,
+                                             token_logprobs,
+                                             unpatch_megatron_model,
+)
 
 __all__ = ["MegatronLayoutError", "Rank", "build_model", "check_rollout", "finalize_grads", "hf_fields", "hf_state_dict", "load_hf",
            "padded_vocab", "patch_megatron_model", "sglang_named_tensors", "to_hf", "to_megatron", "token_logprobs",

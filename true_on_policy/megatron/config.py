@@ -141,7 +141,10 @@ def build_model(hf_config, sequence_parallel: bool = False, use_cpu_initializati
                                ps.get_context_parallel_world_size(), sequence_parallel)
     if problems:
         raise MegatronLayoutError("build_model refused:\n  - " + "\n  - ".join(problems))
-    cfg = transformer_config(f, sequence_parallel, use_cpu_initialization)
+    # megatron-core's local norm (WrappedTorchNorm) refuses sequence_parallel at construction; the
+    # modules are the same either way and our forward does the SP collectives itself, so the
+    # model is built without it and the flag is kept for ``patch_megatron_model``
+    cfg = transformer_config(f, False, use_cpu_initialization)
     spec = get_gpt_layer_local_spec(num_experts=f["experts"], moe_grouped_gemm=False, qk_layernorm=True,
                                     normalization="RMSNorm")
     model = GPTModel(cfg, spec, vocab_size=padded_vocab(f["vocab_size"]),
@@ -149,4 +152,5 @@ def build_model(hf_config, sequence_parallel: bool = False, use_cpu_initializati
                      rotary_base=int(f["theta"]), share_embeddings_and_output_weights=False)
     model.to(torch.bfloat16)
     model.true_on_policy_hf = f
+    model.true_on_policy_sequence_parallel = bool(sequence_parallel)
     return model

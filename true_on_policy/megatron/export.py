@@ -28,8 +28,9 @@ def _gather_all(model, group, grads: bool = False) -> list[tuple[convert.Rank, d
     parts = [{} for _ in range(n)]
     for k in sorted(sd):
         t = sd[k].contiguous()
-        out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
+        out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         dist.all_gather_into_tensor(out, t, group=group)
+        out = out.view(n, *t.shape)
         for i in range(n):
             parts[i][k] = out[i]
     return list(zip(ranks, parts, strict=True))

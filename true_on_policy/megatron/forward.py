@@ -121,7 +121,7 @@ def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", p
             raise TrainerPatchError(f"model already patched with {state.record['contract']}/{state.provider}; "
                                     "call unpatch_megatron_model(model) first")
         return state.record
-    sp = model.config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    sp = model.true_on_policy_sequence_parallel if sequence_parallel is None else sequence_parallel
     groups = comm.Groups.from_parallel_state(sp)
     record = {"role": "trainer:megatron-core", "contract": c.name, "fingerprint": c.fingerprint,
               "provider": provider, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
