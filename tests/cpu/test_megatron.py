@@ -1,0 +1,194 @@
+"""The Megatron trainer (true_on_policy.megatron) on the CPU, reference provider. Skipped without
+megatron-core (CI installs only ``.[dev]``; ``pip install -e '.[megatron]'`` runs it).
+
+Chain of equalities (bitwise unless said):
+  patched HF trainer == Megatron TP1  (log-probs: plain, T != 1, truncated, right-padded batches)
+  Megatron TP1 == TP2 == TP2+SP == EP2 (data-parallel rows) == TP2+EP2+SP  (two gloo ranks)
+  HF -> Megatron shards -> HF == the checkpoint (every layout), the sharded export == the checkpoint
+  gradients of every layout close to TP1's (the backward is a reference: not bitwise)
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from true_on_policy import megatron as tm  # noqa: E402
+from true_on_policy import trainer  # noqa: E402
+from true_on_policy.harness import tiny_model  # noqa: E402
+from true_on_policy.megatron import config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def bitwise(got, want, what=""):
+    d = (got.double() - want.double()).abs()
+    assert torch.equal(got, want), f"{what}: max |d| {d.max().item():.3e}, {int((d > 0).sum())} of {d.numel()} differ"
+
+
+@pytest.fixture(scope="module")
+def path(tiny_cache):
+    return tiny_model.ensure()
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """parallel_state at TP1 over a one-process gloo group (torn down after the module)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    if mine:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture
+def meg(one_rank, hf):
+    m = tm.build_model(hf.config)
+    tm.load_hf(m, hf.state_dict())
+    tm.patch_megatron_model(m)
+    return m
+
+
+def _batch(seed=0, lengths=(33, 20, 33, 9)):
+    g = torch.Generator().manual_seed(seed)
+    return trainer.right_pad([torch.randint(0, 512, (n,), generator=g) for n in lengths])
+
+
+def test_tp1_logprobs_bitwise_equal_to_patched_hf(hf, meg):
+    trainer.patch_hf_model(hf)
+    ids, mask = _batch()
+    with torch.no_grad():
+        for kw in (dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.7, top_k=5, top_p=0.9),
+                   dict(temperature=1.3, min_p=0.05)):
+            bitwise(tm.token_logprobs(meg, ids, mask, **kw), trainer.token_logprobs(hf, ids, mask, **kw), str(kw))
+        single = tm.token_logprobs(meg, ids[3:, :9])
+        bitwise(single[0], tm.token_logprobs(meg, ids, mask)[3, :8], "padding invariance")
+
+
+def test_patch_idempotent_reversible_and_handshake(meg):
+    from true_on_policy.trainer import handshake
+
+    rec = tm.patch_megatron_model(meg)
+    assert tm.patch_megatron_model(meg) is rec and rec["layout"]["tp"] == 1
+    good = [{"role": "scheduler", "fingerprint": rec["fingerprint"], "contract": rec["contract"]}]
+    assert tm.check_rollout(good, meg) == good
+    with pytest.raises(handshake.RolloutMismatchError, match="fingerprint"):
+        tm.check_rollout([dict(good[0], fingerprint="0" * 64)], meg)
+    assert tm.unpatch_megatron_model(meg) and not tm.unpatch_megatron_model(meg)
+    assert "forward" not in meg.__dict__
+    with pytest.raises(trainer.TrainerPatchError, match="patch_megatron_model"):
+        tm.token_logprobs(meg, _batch()[0])
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1), (1, 8, 1)])
+def test_conversion_round_trip_every_layout(path, hf, layout):
+    tp, ep, etp = layout
+    f = tm.hf_fields(hf.config)
+    sd = hf.state_dict()
+    ckpt = load_file(f"{path}/model.safetensors")
+    parts = []
+    for r in range(tp * ep):  # rank r: tp rank r % tp; EP x ETP laid over the same ranks
+        rank = tm.Rank(tp, r % tp, ep, (r // etp) % ep, etp, r % etp)
+        parts.append((rank, tm.to_megatron(ckpt if r % 2 else sd, f, rank)))  # fused and per-expert inputs
+    back = tm.to_hf(parts, f)
+    assert set(back) == set(sd)
+    for k in sd:
+        bitwise(back[k], sd[k], k)
+    unfused = tm.to_hf(parts, f, fused=False)
+    assert set(unfused) == set(ckpt) and all(torch.equal(unfused[k], ckpt[k]) for k in ckpt)
+    qkv = parts[0][1]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape[0] == (f["heads"] + 2 * f["kv_heads"]) * f["head_dim"] // tp
+
+
+def test_export_names_are_the_checkpoint_sglang_loads(path, meg):
+    ckpt = load_file(f"{path}/model.safetensors")
+    out = tm.sglang_named_tensors(meg)
+    assert [n for n, _ in out] == sorted(ckpt)
+    assert all(torch.equal(t, ckpt[n]) for n, t in out)
+
+
+def test_one_optimizer_step_changes_weights_and_export(meg):
+    meg.train()
+    ids, mask = _batch(5)
+    opt = torch.optim.SGD(meg.parameters(), lr=1e-2)
+    w = meg.decoder.layers[0].mlp.experts.local_experts[0].linear_fc2.weight
+    before = w.detach().clone()
+    loss = -(tm.token_logprobs(meg, ids, mask) * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    loss.backward()
+    grads = [p.grad for p in meg.parameters() if p.grad is not None]
+    assert torch.isfinite(loss) and len(grads) == len(list(meg.parameters()))
+    assert all(torch.isfinite(g).all() for g in grads)
+    opt.step()
+    assert not torch.equal(before, w.detach())
+    exported = dict(tm.sglang_named_tensors(meg))
+    assert torch.equal(exported["model.layers.0.mlp.experts.0.down_proj.weight"], w.detach())
+    with torch.no_grad():
+        assert -(tm.token_logprobs(meg, ids, mask) * mask[:, 1:]).sum() / mask[:, 1:].sum() < loss
+
+
+def test_refusals_list_every_problem(hf):
+    f = tm.hf_fields(hf.config)
+    p = config.layout_problems(dict(f, tie=True), tp=3, ep=3, etp=1, pp=2, vpp=2, cp=2)
+    text = "\n".join(p)
+    for want in ("tie_word_embeddings", "tensor_model_parallel_size=3", "expert_model_parallel_size=3",
+                 "pipeline_model_parallel_size=2", "virtual_pipeline", "context_parallel_size=2"):
+        assert want in text, text
+    assert any("sequence_parallel" in x for x in config.layout_problems(f, tp=2, ep=2, etp=1))
+    assert config.layout_problems(f, tp=2, ep=2, etp=1, sequence_parallel=True) == []
+
+    class Cfg:
+        moe_permute_fusion, masked_softmax_fusion, transformer_impl, moe_grouped_gemm = True, True, "transformer_engine", True
+
+    problems = config.config_problems(Cfg())
+    assert len(problems) == 4 and "moe_permute_fusion" in problems[0]
+
+    class TELinear(torch.nn.Linear):
+        pass
+
+    assert "TELinear" in config.module_problems(torch.nn.Sequential(TELinear(2, 2)))[0]
+
+
+def test_patch_refuses_float_model(meg):
+    tm.unpatch_megatron_model(meg)
+    meg.float()
+    with pytest.raises(tm.MegatronLayoutError, match="bfloat16"):
+        tm.patch_megatron_model(meg)
+
+
+def test_parallel_layouts_two_gloo_ranks(path, meg, tmp_path):
+    """TP2, TP2+SP, EP2, TP2+EP2+SP on two processes (tests/cpu/megatron_gloo.py) against TP1."""
+    ids, mask = _batch(11)
+    with torch.no_grad():
+        lp = tm.token_logprobs(meg, ids, mask, 0.7)
+        lp_trunc = tm.token_logprobs(meg, ids, mask, 0.7, top_k=5, top_p=0.9)
+    (-(tm.token_logprobs(meg, ids, mask, 0.7) * mask[:, 1:]).sum()).backward()
+    ref = dict(ids=ids, mask=mask, lp=lp, lp_trunc=lp_trunc, grads=tm.hf_state_dict(meg, grads=True))
+    torch.save(ref, tmp_path / "tp1.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    layouts = ["tp2", "tp2sp", "ep2", "tp2ep2sp"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "tests" / "cpu" / "megatron_gloo.py"), path, str(tmp_path / "tp1.pt"),
+                        *layouts], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
+    for name in layouts:
+        assert r.stdout.count(f"megatron-ok {name} ") == 2, r.stdout

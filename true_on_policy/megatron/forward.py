@@ -1,0 +1,235 @@
+"""The Megatron model's forward on the contract's kernels; ``token_logprobs``; the handshake.
+
+    patch_megatron_model(model)                            # idempotent; unpatch_megatron_model
+    lp = token_logprobs(model, input_ids, attention_mask=None, temperature=1.0)  # fp32 [B, S-1]
+
+Why the whole ``GPTModel.forward`` is replaced (on this instance; the class is untouched) and not
+the forwards of its local-spec modules one by one: every one of them computes other math than
+the contract. ``TopKRouter`` takes top-k of the raw logits and a softmax over the k (Qwen3:
+softmax over all experts, top-k, renormalise); the token dispatcher's unpermute sums expert
+outputs by scatter-add (the contract: fp32 slot outputs combined in slot order); ``RowParallelLinear``
+all-reduces in NCCL's order (the contract: a fixed tree over 8 K segments); ``DotProductAttention``
+runs a bf16 masked softmax on [s, b, h]; ``RotaryEmbedding`` builds its own inv_freq. What stays
+megatron-core's is the module tree and its parameters (names, TP/EP shards, optimizer,
+checkpointing), which is what a Megatron trainer integrates with. The replacement walks those
+parameters in Hugging Face Qwen3-MoE order on flat batch-major token rows [B*S, H]:
+
+    h = embed(ids)  (vocab-parallel: own rows, exact sum over TP; SP: own row chunk)
+    per layer:  h = h + o_proj(attn(rope(qk_norm(qkv(norm(h))))));  h = h + moe(norm(h))
+    logits = lm_head(norm(h)) in fp32, vocab columns all-gathered (exact), sliced to the vocabulary
+
+Residual adds are bf16 additions, the HF trainer's and the rollout's fused add+norm alike
+(``kernels/rmsnorm.py``: s = bf16(x + residual)). Column linears run on this rank's output rows
+(columns never depend on W's split); row-parallel linears compute this rank's subtree and
+``comm.tree`` finishes it (SP: the reduce-scatter form); the MoE is ``ops.moe``. Sequences are
+right-padded rows, one per row, as in ``true_on_policy.trainer``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from true_on_policy.trainer import handshake
+from true_on_policy.trainer import hf as trainer
+from true_on_policy.contract import Contract, get_contract
+from true_on_policy.kernels import embedding as _emb
+from true_on_policy.kernels import rope as _rope
+from true_on_policy.megatron import comm, config, ops
+
+_STATE = "_true_on_policy_state"
+TrainerPatchError = trainer.TrainerPatchError
+
+
+def _norm(st, x, module):
+    return st.ops.rmsnorm(x, module.weight, st.f["eps"])
+
+
+def _attention(st, att, a, cos, sin, b, s):
+    g, ops, d = st.groups, st.ops, st.f["head_dim"]
+    a = comm.gather_rows(a, g.tp) if g.sequence_parallel else comm.copy_to(a, g.tp)
+    n = a.shape[0]
+    group = st.f["heads"] // st.f["kv_heads"]
+    qkv = ops.linear(a, att.linear_qkv.weight).view(n, -1, group + 2, d)  # per query group: q..q, k, v
+    q = ops.rmsnorm(qkv[:, :, :group].reshape(-1, d), att.q_layernorm.weight, st.f["eps"])
+    k = ops.rmsnorm(qkv[:, :, group].reshape(-1, d), att.k_layernorm.weight, st.f["eps"])
+    v = qkv[:, :, group + 1].contiguous()
+    q, k = ops.rope(q.view(n, -1, d), cos, sin), ops.rope(k.view(n, -1, d), cos, sin)
+    out = ops.attention(q, k, v, b, s, d ** -0.5)
+    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, config.SEGMENTS // comm.world(g.tp))
+    return comm.tree(root, g.tp, scatter=g.sequence_parallel).to(a.dtype)
+
+
+def _moe(st, mlp, m):
+    g = st.groups
+    distinct = g.sequence_parallel or comm.world(g.ep) > 1  # each rank of the MoE group holds other tokens
+    if distinct:
+        x_all, mg = comm.gather_rows(m, g.moe), types.SimpleNamespace(etp=g.etp, ep=g.ep, tok=g.moe, back=g.moe)
+    else:  # tokens replicated over TP (= expert TP): the expert input's gradient is all-reduced
+        x_all, mg = comm.copy_to(m, g.etp), types.SimpleNamespace(etp=g.etp, ep=g.ep, tok=None, back=None)
+    experts = mlp.experts.local_experts
+    fc1 = [e.linear_fc1.weight for e in experts]
+    fc2 = [e.linear_fc2.weight for e in experts]
+    first = comm.rank_in(g.ep) * len(experts) if g.ep is not None else 0
+    return st.ops.moe(x_all, m, mlp.router.weight, fc1, fc2, first, st.f["top_k"], st.f["norm_topk"], mg)
+
+
+def _forward(self, input_ids, position_ids=None, attention_mask=None, **ignored):
+    """input_ids [B, S] (right-padded rows) -> fp32 logits [B, S, vocab], the same on every TP rank."""
+    st = getattr(self, _STATE)
+    g, f = st.groups, st.f
+    b, s = input_ids.shape
+    if g.sequence_parallel and (b * s) % comm.world(g.tp):
+        raise TrainerPatchError(f"sequence parallel: {b}x{s} tokens must divide by TP {comm.world(g.tp)} "
+                                "(token_logprobs pads the sequences for you)")
+    pos = (position_ids if position_ids is not None else torch.arange(s, device=input_ids.device).expand(b, s))
+    cos, sin = _rope.cos_sin(pos.reshape(-1), f["head_dim"], f["theta"], st.scaling)
+    table = self.embedding.word_embeddings.weight
+    h = _emb.embedding_reference(input_ids.reshape(-1), table, comm.rank_in(g.tp) * table.shape[0])
+    h = comm.sum_exact_(h, g.tp)
+    if g.sequence_parallel:
+        h = comm.scatter_rows(h, g.tp)
+    for layer in self.decoder.layers:
+        h = h + _attention(st, layer.self_attention, _norm(st, h, layer.input_layernorm), cos, sin, b, s)
+        h = h + _moe(st, layer.mlp, _norm(st, h, layer.pre_mlp_layernorm))
+    h = _norm(st, h, self.decoder.final_layernorm)
+    h = comm.gather_rows(h, g.tp) if g.sequence_parallel else comm.copy_to(h, g.tp)
+    logits = comm.gather_cols(st.ops.lm_head(h, self.output_layer.weight), g.tp)
+    return logits[:, :f["vocab_size"]].reshape(b, s, -1)
+
+
+def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provider: str | None = None,
+                         sequence_parallel: bool | None = None) -> dict:
+    """Route ``model`` (a ``config.build_model`` GPTModel) through the contract's kernels.
+    Idempotent; raises ``MegatronLayoutError`` listing every problem before touching the model.
+    Returns the record of what was replaced (contract, fingerprint, provider, layout)."""
+    c = get_contract(contract)
+    provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
+    f = getattr(model, "true_on_policy_hf", None)
+    problems = [] if f is not None else ["the model was not built by true_on_policy.megatron.build_model"]
+    problems += config.config_problems(model.config) + config.module_problems(model)
+    dt = {p.dtype for p in model.parameters()}
+    if dt != {torch.bfloat16}:
+        problems.append(f"parameters are {sorted(map(str, dt))}, not all bfloat16 -> model.to(torch.bfloat16)")
+    if provider == "triton" and not next(model.parameters()).is_cuda:
+        problems.append("provider 'triton' needs the model on a CUDA device (provider='reference' on CPU)")
+    if problems:
+        raise config.MegatronLayoutError("patch_megatron_model refused:\n  - " + "\n  - ".join(problems))
+    state = getattr(model, _STATE, None)
+    if state is not None:
+        if state.provider != provider or state.record["contract"] != c.name:
+            raise TrainerPatchError(f"model already patched with {state.record['contract']}/{state.provider}; "
+                                    "call unpatch_megatron_model(model) first")
+        return state.record
+    sp = model.true_on_policy_sequence_parallel if sequence_parallel is None else sequence_parallel
+    groups = comm.Groups.from_parallel_state(sp)
+    record = {"role": "trainer:megatron-core", "contract": c.name, "fingerprint": c.fingerprint,
+              "provider": provider, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
+                                               "etp": comm.world(groups.etp), "sequence_parallel": sp},
+              "replaced": [f"{type(model).__module__}.{type(model).__qualname__}.forward -> "
+                           "true_on_policy.megatron.forward._forward"]}
+    had = "forward" in model.__dict__
+    setattr(model, _STATE, types.SimpleNamespace(
+        ops=ops.get(provider), provider=provider, groups=groups, f=f, record=record, original=(had, model.__dict__.get("forward")),
+        scaling=_rope.rope_scaling(f["rope"], f["max_positions"]), contract=c))
+    model.forward = types.MethodType(_forward, model)
+    return record
+
+
+def unpatch_megatron_model(model) -> bool:
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return False
+    had, fn = state.original
+    if had:
+        model.forward = fn
+    else:
+        model.__dict__.pop("forward", None)
+    delattr(model, _STATE)
+    return True
+
+
+def finalize_grads(model) -> list[str]:
+    """All-reduce over TP the gradients this forward leaves partial on each TP rank: the q/k norm
+    weights (each rank normalises its own heads) and, under sequence parallel, the layer and final
+    norms and the router (each rank runs them on its own row chunk). Call it after ``backward`` in
+    place of megatron-core's layernorm-gradient all-reduce (its ``sequence_parallel`` attributes
+    were not checked against this forward). Data-parallel (and EP-as-DP) gradient sums stay
+    megatron-core's DDP's job. Returns the names reduced."""
+    g = getattr(model, _STATE).groups
+    if comm.world(g.tp) == 1:
+        return []
+    keys = ("q_layernorm", "k_layernorm") + (("input_layernorm", "pre_mlp_layernorm", "final_layernorm",
+                                                 "mlp.router") if g.sequence_parallel else ())
+    done = []
+    for name, p in model.named_parameters():
+        if p.grad is not None and any(f".{k}." in f".{name}" for k in keys):
+            torch.distributed.all_reduce(p.grad, group=g.tp)
+            done.append(name)
+    return done
+
+
+def _input_problems(f, input_ids, attention_mask) -> list[str]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        return [f"input_ids must be a [batch, seq >= 2] tensor, got {tuple(getattr(input_ids, 'shape', ()))}"]
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        return [f"input_ids must hold integer token ids, got {input_ids.dtype}"]
+    out, vocab = [], f["vocab_size"]
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        out.append(f"input_ids must be token ids in [0, {vocab}), got ids from {int(input_ids.min())} to "
+                   f"{int(input_ids.max())}")
+    if f["max_positions"] is not None and input_ids.shape[1] > f["max_positions"]:
+        out.append(f"sequences of {input_ids.shape[1]} positions exceed max_position_embeddings {f['max_positions']}")
+    if attention_mask is not None and tuple(getattr(attention_mask, "shape", ())) != tuple(input_ids.shape):
+        out.append(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                   f"{tuple(getattr(attention_mask, 'shape', ()))}")
+    elif attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        out.append("attention_mask must hold only 0 and 1")
+    return out
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   min_p: float | None = None) -> torch.Tensor:
+    """fp32 [batch, seq-1], the same signature and meaning as ``true_on_policy.trainer.token_logprobs``:
+    log p(input_ids[:, t+1] | input_ids[:, :t+1]) under the contract (the truncated, renormalised
+    distribution with ``top_k``/``top_p``/``min_p``), equal on every TP rank. This rank's rows: under
+    EP without TP (expert ranks in the data-parallel dimension), every rank passes its own batch of
+    the same shape. Under sequence parallel the rows are right-padded to a multiple of TP first
+    (padding is after every real token: it changes no bit of theirs)."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise TrainerPatchError("token_logprobs needs a patched model: call patch_megatron_model(model) first")
+    problems = (_input_problems(state.f, input_ids, attention_mask)
+                + trainer._sampling_problems(temperature, top_k, top_p, min_p))
+    if problems:
+        raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
+    if attention_mask is not None:
+        trainer._check_right_padded(attention_mask)
+    b, s = input_ids.shape
+    ids, tp = input_ids, comm.world(state.groups.tp)
+    if state.groups.sequence_parallel and s % tp:
+        ids = torch.nn.functional.pad(input_ids, (0, tp - s % tp))
+    logits = model(ids, torch.arange(ids.shape[1], device=ids.device).expand(b, -1))[:, :s]
+    rows, toks = logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1)
+    if top_k is None and top_p is None and min_p is None:
+        lp = state.ops.logprobs(rows, toks, float(temperature))
+    else:
+        lp = state.ops.truncated_logprobs(rows, toks, float(temperature), top_k, top_p, min_p)
+    return lp.view(b, s - 1)
+
+
+def check_rollout(rollout, model=None, *, contract=None, api_key: str | None = None, timeout: float = 30.0) -> list:
+    """The handshake of ``true_on_policy.trainer.check_rollout`` for a Megatron model: the contract
+    it was patched with (or ``contract``) against every rollout process's manifest fingerprint
+    (``true_on_policy.trainer.handshake``; raises ``handshake.RolloutMismatchError`` listing each one)."""
+    if (model is None) == (contract is None):
+        raise TypeError("check_rollout needs the trainer's contract: pass the patched model or contract=, not both")
+    if model is not None:
+        state = getattr(model, _STATE, None)
+        if state is None:
+            raise TrainerPatchError("check_rollout: the model is not patched (patch_megatron_model first)")
+        contract = state.contract
+    c = contract if isinstance(contract, Contract) else get_contract(contract)
+    return handshake.check(rollout, c, api_key=api_key, timeout=timeout)
