@@ -5,7 +5,7 @@ accumulated in float64 and rounded at the contract's points -- the same calls, i
 order, as the Hugging Face trainer's CPU provider, so a Megatron TP1 forward is bitwise the
 patched HF model's (tests/cpu/test_megatron.py). ``triton`` (CUDA): the ``kernels/`` launchers
 (bitwise the rollout's), each wrapped so that the backward differentiates the reference,
-recomputed (``_Ref``; the issue allows a reference backward).
+recomputed (``trainer.providers.ReferenceBackward``; the issue allows a reference backward).
 
 Sharded forms: a row-parallel GEMM returns this rank's fp32 subtree root over its V/t segments
 (``row_root``; ``comm.tree`` finishes it); the MoE block routes this rank's tokens, runs its
@@ -27,40 +27,18 @@ from true_on_policy.kernels import rmsnorm as _rms
 from true_on_policy.kernels import rope as _rope
 from true_on_policy.kernels import sampling as _smp
 from true_on_policy.megatron import comm
+from true_on_policy.trainer.providers import ReferenceBackward
 
 PROVIDERS = ("triton", "reference")
 F64 = torch.float64
 SEGMENTS = 8
 
 
-class _Ref(torch.autograd.Function):
-    """Forward: ``fast(*args)``; backward: autograd through ``ref(*args)``, recomputed (collectives
-    inside ``ref`` are autograd-aware, so every rank replays them in the same order)."""
-
-    @staticmethod
-    def forward(ctx, fast, ref, *args):
-        ctx.ref, ctx.args = ref, args
-        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])
-        return fast(*args)
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = iter(ctx.saved_tensors)
-        args = [next(saved) if isinstance(a, torch.Tensor) else a for a in ctx.args]
-        leaves = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
-        with torch.enable_grad():
-            out = ctx.ref(*leaves)
-        need = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-        grads = iter(torch.autograd.grad(out, need, grad, allow_unused=True) if need else [])
-        return (None, None, *[next(grads) if isinstance(a, torch.Tensor) and a.requires_grad else None
-                              for a in leaves])
-
-
 def _wrap(fast, ref):
     def call(*args):
         flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat):
-            return _Ref.apply(fast, ref, *args)
+            return ReferenceBackward.apply(fast, ref, *args)
         return fast(*args)
     return call
 

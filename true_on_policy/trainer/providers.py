@@ -27,8 +27,10 @@ from true_on_policy.kernels import tree_reduce as _tree
 PROVIDERS = ("triton", "reference")
 
 
-class _Op(torch.autograd.Function):
-    """Forward: ``fast(*args)``; backward: autograd through ``ref(*args)`` (recomputed)."""
+class ReferenceBackward(torch.autograd.Function):
+    """Forward: ``fast(*args)``; backward: autograd through ``ref(*args)``, recomputed (shared with
+    ``true_on_policy.megatron``, whose collectives inside ``ref`` are autograd-aware, so every rank
+    replays them in the same order)."""
 
     @staticmethod
     def forward(ctx, fast, ref, *args):
@@ -53,7 +55,7 @@ class _Op(torch.autograd.Function):
 def _op(fast, ref):
     def call(*args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return _Op.apply(fast, ref, *args)
+            return ReferenceBackward.apply(fast, ref, *args)
         return fast(*args)
     return call
 
