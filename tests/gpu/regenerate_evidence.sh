@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | bench | tp2 | pp2 (two GPUs each) |
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | bench | rl | tp2 | pp2 (two GPUs each) |
 #        all (the one-GPU groups)
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
 set -uo pipefail
@@ -27,6 +27,7 @@ case $GROUP in
   realshape|all)  # the Qwen3-30B-A3B layer geometry, 6 layers (random bf16 weights, built on the GPU)
     run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-a3b6-t1.0.json"
     run $P --mode stock --trainer hf --geometry a3b6 --temperature 1.0 --out "$E/parity-stock-a3b6-t1.0.json" ;;&
+  rl|all) run python3 -m true_on_policy.harness.rl_loop --steps 100 --out "$E/rl-loop-embedded.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
   rollout|all) run tier gpu-tier-rollout tests/gpu/test_engine_gpu.py tests/gpu/test_server_gpu.py \
@@ -45,7 +46,7 @@ case $GROUP in
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|rl|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc

@@ -1,0 +1,19 @@
+"""The RL loop's CPU-side pieces (the loop itself needs a GPU: ``python -m true_on_policy.harness.rl_loop``)."""
+
+import pytest
+import torch
+
+from true_on_policy.harness.rl_loop import _advantages, main
+
+
+def test_advantages_are_normalised_within_each_group():
+    adv = _advantages([0.0, 1.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2], group=4).view(2, 4)
+    assert torch.allclose(adv.mean(1), torch.zeros(2), atol=1e-6)
+    assert torch.allclose(adv[0].std(), torch.tensor(1.0), atol=1e-4)
+    assert torch.equal(adv[1], torch.zeros(4))  # equal rewards: no signal, not NaN
+    assert adv[0, 1] > adv[0, 2] > adv[0, 0]
+
+
+def test_the_loop_needs_an_evidence_path():
+    with pytest.raises(SystemExit):
+        main([])
