@@ -37,7 +37,8 @@ case $GROUP in
   bench|all)
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tokens 1 64 256 4096 --out "$E/bench-kernels.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b6 --out "$E/profile-a3b6.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b6 --out "$E/throughput-a3b6.json" ;;
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b6 --out "$E/throughput-a3b6.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 --out "$E/trainer-speed-a3b6.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
