@@ -51,9 +51,46 @@ def padded_vocab(vocab: int) -> int:
     return SEGMENTS * -(-vocab // SEGMENTS)
 
 
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Decoder layers per pipeline stage, megatron-core's split (``get_num_layers_to_build``):
+    ``first`` / ``last`` layers on the first / last stage when set (uneven pipeline), the rest
+    evenly over the other stages. Assumes ``pipeline_problems`` is empty."""
+    mid = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    out = [rest // mid if mid else 0] * pp
+    if first is not None:
+        out[0] = first
+    if last is not None:
+        out[-1] = last
+    return out
+
+
+def pipeline_problems(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[str]:
+    """The stage split megatron-core 0.16 would refuse (or that leaves a stage without layers)."""
+    if first is None and last is None:
+        if num_layers % pp or num_layers < pp:
+            return [f"pipeline_model_parallel_size={pp} must divide num_hidden_layers={num_layers} (even split; "
+                    "or set num_layers_in_first/last_pipeline_stage)"]
+        return []
+    if pp == 1:
+        return ["num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1"]
+    out = [f"{n}={v} must be at least 1" for n, v in (("num_layers_in_first_pipeline_stage", first),
+                                                      ("num_layers_in_last_pipeline_stage", last))
+           if v is not None and v < 1]
+    mid = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or bool(rest) != bool(mid) or (mid and (rest % mid or rest < mid)):
+        out.append(f"uneven pipeline split: {rest} layers left for {mid} middle stage(s) of "
+                   f"pipeline_model_parallel_size={pp} (num_hidden_layers={num_layers}, first={first}, "
+                   f"last={last}): each middle stage needs the same number, at least 1")
+    return out
+
+
 def layout_problems(f: dict, tp: int, ep: int, etp: int, pp: int = 1, vpp=None, cp: int = 1,
-                    sequence_parallel: bool = False) -> list[str]:
-    """What the contract (or this trainer) does not cover in a model + layout; empty when fine."""
+                    sequence_parallel: bool = False, first: int | None = None,
+                    last: int | None = None) -> list[str]:
+    """What the contract (or this trainer) does not cover in a model + layout; empty when fine
+    (``first`` / ``last``: ``num_layers_in_first/last_pipeline_stage``)."""
     out = []
     if f["dense_layers"] or f["sparse_step"] != 1:
         out.append("dense (mlp_only_layers / decoder_sparse_step != 1) layers are not built: every layer is MoE")
@@ -72,8 +109,7 @@ def layout_problems(f: dict, tp: int, ep: int, etp: int, pp: int = 1, vpp=None, 
         out.append(f"expert_model_parallel_size={ep} must divide num_experts={f['experts']}")
     if ep > 1 and tp > 1 and not sequence_parallel:
         out.append("expert parallel with tensor parallel needs sequence_parallel=True (as megatron-core requires)")
-    if pp != 1:
-        out.append(f"pipeline_model_parallel_size={pp}: pipeline stages are not routed in the Megatron trainer yet")
+    out += pipeline_problems(f["num_layers"], pp, first, last)
     if vpp not in (None, 1):
         out.append(f"virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages are not routed")
     if cp != 1:
@@ -90,6 +126,10 @@ def config_problems(cfg) -> list[str]:
         out.append(f"transformer_impl={cfg.transformer_impl!r}: only the local spec (no Transformer Engine)")
     if getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None):
         out.append("fp8/fp4 training is not in the contract (bf16 weights)")
+    for k in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+              "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size"):
+        if getattr(cfg, k, None) not in (None, False, 1):
+            out.append(f"{k}={getattr(cfg, k)!r}: only the plain stage split (num_layers_in_first/last_pipeline_stage)")
     if getattr(cfg, "context_parallel_size", 1) != 1:
         out.append("context_parallel_size > 1 is not in the contract")
     return out
@@ -104,7 +144,8 @@ def module_problems(model) -> list[str]:
             for b in bad]
 
 
-def transformer_config(f: dict, sequence_parallel: bool = False, use_cpu_initialization: bool = True):
+def transformer_config(f: dict, sequence_parallel: bool = False, use_cpu_initialization: bool = True,
+                       first: int | None = None, last: int | None = None):
     """megatron-core ``TransformerConfig`` of a Qwen3-MoE (sizes from ``parallel_state``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -121,13 +162,23 @@ def transformer_config(f: dict, sequence_parallel: bool = False, use_cpu_initial
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-        sequence_parallel=sequence_parallel, transformer_impl="local", **{k: False for k in FUSIONS_OFF})
+        sequence_parallel=sequence_parallel, transformer_impl="local",
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), pipeline_dtype=torch.bfloat16,
+        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+        **{k: False for k in FUSIONS_OFF})
 
 
-def build_model(hf_config, sequence_parallel: bool = False, use_cpu_initialization: bool = True):
+def build_model(hf_config, sequence_parallel: bool = False, use_cpu_initialization: bool = True,
+                num_layers_in_first_pipeline_stage: int | None = None,
+                num_layers_in_last_pipeline_stage: int | None = None):
     """megatron-core ``GPTModel`` (local spec) for a Qwen3-MoE config, parameters bf16 (norm weights
     too: the contract's RMSNorm multiplies a bf16 weight). ``parallel_state`` must be initialised.
-    Weights are megatron's random init: load them with ``convert.load_hf``."""
+    Weights are megatron's random init: load them with ``convert.load_hf``.
+
+    Pipeline parallel: this rank's stage only, as megatron-core builds it -- the embedding on the
+    first stage, the final norm and output layer on the last, the decoder layers split evenly or
+    (``num_layers_in_first/last_pipeline_stage``) unevenly; ``model.true_on_policy_stage`` is
+    (first global layer, layers) of this stage. Virtual pipeline stages are refused."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -138,19 +189,30 @@ def build_model(hf_config, sequence_parallel: bool = False, use_cpu_initializati
                                ps.get_expert_tensor_parallel_world_size(),
                                ps.get_pipeline_model_parallel_world_size(),
                                ps.get_virtual_pipeline_model_parallel_world_size(),
-                               ps.get_context_parallel_world_size(), sequence_parallel)
+                               ps.get_context_parallel_world_size(), sequence_parallel,
+                               num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
     if problems:
         raise MegatronLayoutError("build_model refused:\n  - " + "\n  - ".join(problems))
     # megatron-core's local norm (WrappedTorchNorm) refuses sequence_parallel at construction; the
     # modules are the same either way and our forward does the SP collectives itself, so the
     # model is built without it and the flag is kept for ``patch_megatron_model``
-    cfg = transformer_config(f, False, use_cpu_initialization)
+    cfg = transformer_config(f, False, use_cpu_initialization, num_layers_in_first_pipeline_stage,
+                             num_layers_in_last_pipeline_stage)
     spec = get_gpt_layer_local_spec(num_experts=f["experts"], moe_grouped_gemm=False, qk_layernorm=True,
                                     normalization="RMSNorm")
     model = GPTModel(cfg, spec, vocab_size=padded_vocab(f["vocab_size"]),
                      max_sequence_length=int(f["max_positions"] or 4096), position_embedding_type="rope",
-                     rotary_base=int(f["theta"]), share_embeddings_and_output_weights=False)
+                     rotary_base=int(f["theta"]), share_embeddings_and_output_weights=False,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     model.to(torch.bfloat16)
+    split = stage_layers(f["num_layers"], ps.get_pipeline_model_parallel_world_size(),
+                         num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
+    stage = ps.get_pipeline_model_parallel_rank()
+    model.true_on_policy_stage = (sum(split[:stage]), split[stage])
+    got = [layer.layer_number - 1 for layer in model.decoder.layers]
+    if got != list(range(sum(split[:stage]), sum(split[:stage + 1]))):
+        raise MegatronLayoutError(f"build_model: megatron-core built layers {got} on stage {stage}, "
+                                  f"the split {split} expected others")
     model.true_on_policy_hf = f
     model.true_on_policy_sequence_parallel = bool(sequence_parallel)
     return model

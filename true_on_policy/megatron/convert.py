@@ -22,6 +22,9 @@ model.norm.weight                                       decoder.final_layernorm.
 lm_head.weight [V, H]                                   output_layer.weight [Vp/tp, H]
 ======================================================  =============================================
 (``layers.L`` is ``model.layers.L`` on the HF side.) Every map is a copy: a round trip is exact.
+Pipeline parallel: a stage holds its layers under local indices (``decoder.layers.(L - first)``
+for global layers ``first .. first + n - 1``), the embedding on the first stage, the final norm
+and output layer on the last (``Rank.pp_rank`` / ``Rank.layers``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from true_on_policy.megatron.config import padded_vocab
 
 @dataclass(frozen=True)
 class Rank:
-    """One rank's place: sizes and ranks of TP, EP and expert TP."""
+    """One rank's place: sizes and ranks of TP, EP, expert TP and PP; ``layers`` the (first global
+    layer, count) of its pipeline stage (None: every layer, one stage)."""
 
     tp: int = 1
     tp_rank: int = 0
@@ -43,14 +47,27 @@ class Rank:
     ep_rank: int = 0
     etp: int = 1
     etp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+    layers: tuple | None = None
 
     @staticmethod
-    def from_parallel_state() -> Rank:
+    def from_parallel_state(model=None) -> Rank:
+        """``model``: a ``build_model`` model, for its stage's layers (needed when PP > 1)."""
         from megatron.core import parallel_state as ps
 
+        pp = ps.get_pipeline_model_parallel_world_size()
+        layers = getattr(model, "true_on_policy_stage", None)
+        if pp > 1 and layers is None:
+            raise ValueError("Rank.from_parallel_state: pipeline parallel needs the model (its stage's layers)")
         return Rank(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                     ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-                    ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
+                    ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                    pp, ps.get_pipeline_model_parallel_rank(), None if layers is None else tuple(layers))
+
+    def stage_layers(self, num_layers: int) -> range:
+        """Global indices of this rank's decoder layers."""
+        return range(num_layers) if self.layers is None else range(self.layers[0], self.layers[0] + self.layers[1])
 
 
 def _unfused(hf: dict, f: dict) -> dict:
@@ -86,11 +103,15 @@ def to_megatron(hf: dict, f: dict, rank: Rank = Rank()) -> dict:
     ng, d, group = f["kv_heads"], f["head_dim"], f["heads"] // f["kv_heads"]
     inter, per_ep = f["moe_intermediate"], f["experts"] // rank.ep
     a, b = rank.etp_rank * inter // rank.etp, (rank.etp_rank + 1) * inter // rank.etp
-    out = {"embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], f), rank.tp, rank.tp_rank),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"],
-           "output_layer.weight": _rows(_pad_vocab(hf["lm_head.weight"], f), rank.tp, rank.tp_rank)}
-    for L in range(f["num_layers"]):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
+    out = {}
+    if rank.pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = _rows(_pad_vocab(hf["model.embed_tokens.weight"], f), rank.tp, rank.tp_rank)
+    if rank.pp_rank == rank.pp - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], f), rank.tp, rank.tp_rank)
+    layers = rank.stage_layers(f["num_layers"])
+    for L in layers:
+        h, m = f"model.layers.{L}.", f"decoder.layers.{L - layers.start}."
         at = h + "self_attn."
         q = hf[at + "q_proj.weight"].reshape(ng, group * d, -1)
         k, v = hf[at + "k_proj.weight"].reshape(ng, d, -1), hf[at + "v_proj.weight"].reshape(ng, d, -1)
@@ -111,19 +132,35 @@ def to_megatron(hf: dict, f: dict, rank: Rank = Rank()) -> dict:
 
 
 def to_hf(parts: list[tuple[Rank, dict]], f: dict, fused: bool = True) -> dict:
-    """Every rank's megatron-core state dict (with its ``Rank``) -> the full HF state dict: fused
-    expert tensors (transformers 5) or, ``fused=False``, the checkpoint's per-expert names."""
+    """Every rank's megatron-core state dict (with its ``Rank``; every pipeline stage) -> the full HF
+    state dict: fused expert tensors (transformers 5) or, ``fused=False``, the checkpoint's
+    per-expert names."""
+    stages = sorted({r.pp_rank for r, _ in parts})
+    if stages != list(range(parts[0][0].pp)):
+        raise ValueError(f"to_hf: pipeline stages {stages} given, the model has {parts[0][0].pp}")
+    out = {}
+    for stage in stages:
+        out.update(_stage_to_hf([(r, sd) for r, sd in parts if r.pp_rank == stage], f))
+    out = {k: v.contiguous().clone() for k, v in out.items()}
+    return out if fused else _unfused(out, f)
+
+
+def _stage_to_hf(parts: list[tuple[Rank, dict]], f: dict) -> dict:
     by = {(r.tp_rank, r.ep_rank, r.etp_rank): sd for r, sd in parts}
     r0 = parts[0][0]
     tp_parts = [next(sd for r, sd in parts if r.tp_rank == i) for i in range(r0.tp)]
     ng, d, group, vocab = f["kv_heads"], f["head_dim"], f["heads"] // f["kv_heads"], f["vocab_size"]
     cat0 = lambda key: torch.cat([sd[key] for sd in tp_parts], dim=0)
-    out = {"model.embed_tokens.weight": cat0("embedding.word_embeddings.weight")[:vocab],
-           "lm_head.weight": cat0("output_layer.weight")[:vocab],
-           "model.norm.weight": tp_parts[0]["decoder.final_layernorm.weight"]}
+    out = {}
+    if r0.pp_rank == 0:
+        out["model.embed_tokens.weight"] = cat0("embedding.word_embeddings.weight")[:vocab]
+    if r0.pp_rank == r0.pp - 1:
+        out["lm_head.weight"] = cat0("output_layer.weight")[:vocab]
+        out["model.norm.weight"] = tp_parts[0]["decoder.final_layernorm.weight"]
     per_ep = f["experts"] // r0.ep
-    for L in range(f["num_layers"]):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
+    layers = r0.stage_layers(f["num_layers"])
+    for L in layers:
+        h, m = f"model.layers.{L}.", f"decoder.layers.{L - layers.start}."
         qkv = cat0(m + "self_attention.linear_qkv.weight").reshape(ng, (group + 2) * d, -1)
         out[h + "self_attn.q_proj.weight"] = qkv[:, :group * d].reshape(ng * group * d, -1)
         out[h + "self_attn.k_proj.weight"] = qkv[:, group * d:(group + 1) * d].reshape(ng * d, -1)
@@ -143,14 +180,13 @@ def to_hf(parts: list[tuple[Rank, dict]], f: dict, fused: bool = True) -> dict:
             gate_up.append(torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])]))
             down.append(torch.cat([sd[key + "linear_fc2.weight"] for sd in sds], dim=1))
         out[h + "mlp.experts.gate_up_proj"], out[h + "mlp.experts.down_proj"] = torch.stack(gate_up), torch.stack(down)
-    out = {k: v.contiguous().clone() for k, v in out.items()}
-    return out if fused else _unfused(out, f)
+    return out
 
 
 def load_hf(model, hf: dict) -> None:
     """Copy an HF state dict into a built model's parameters (this rank's shards, from
     ``parallel_state``). Every parameter must be covered and shaped as the map says."""
-    sd = to_megatron(hf, model.true_on_policy_hf, Rank.from_parallel_state())
+    sd = to_megatron(hf, model.true_on_policy_hf, Rank.from_parallel_state(model))
     params = dict(model.named_parameters())
     missing, extra = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
     bad = [f"{k}: {tuple(sd[k].shape)} != {tuple(params[k].shape)}" for k in sd

@@ -7,6 +7,8 @@ experts one by one (``model.layers.L.mlp.experts.e.gate_proj.weight`` ...; the n
 its own TP/EP sharding, so the trainer pushes whole tensors. ``sglang_named_tensors`` gathers every
 rank's shards (an all-gather of copies over ``group``, default the whole world: exact) and maps
 them back with ``convert.to_hf``. Every rank returns the same list; push from one of them.
+Pipeline parallel: stages hold different parameters, so each rank's tensors are broadcast from
+it in turn (copies, exact) and every rank maps all stages back, global layer indices included.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from true_on_policy.megatron import convert
 
 
 def _gather_all(model, group, grads: bool = False) -> list[tuple[convert.Rank, dict]]:
-    me = convert.Rank.from_parallel_state()
+    me = convert.Rank.from_parallel_state(model)
     sd = {k: p.grad.detach() for k, p in model.named_parameters()} if grads else convert.megatron_state(model)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [(me, sd)]
     n = dist.get_world_size(group)
     ranks = [None] * n
-    dist.all_gather_object(ranks, me, group=group)
+    meta = {k: (tuple(t.shape), t.dtype) for k, t in sd.items()}
+    dist.all_gather_object(ranks, (me, meta), group=group)
+    if any(m != meta for _, m in ranks):  # pipeline stages: other parameters on other ranks
+        return _broadcast_each(sd, ranks, group)
+    ranks = [r for r, _ in ranks]
     parts = [{} for _ in range(n)]
     for k in sorted(sd):
         t = sd[k].contiguous()
@@ -34,6 +40,21 @@ def _gather_all(model, group, grads: bool = False) -> list[tuple[convert.Rank, d
         for i in range(n):
             parts[i][k] = out[i]
     return list(zip(ranks, parts, strict=True))
+
+
+def _broadcast_each(sd, ranks, group) -> list[tuple[convert.Rank, dict]]:
+    me, dev = dist.get_rank(group), next(iter(sd.values())).device
+    parts = []
+    for i, (rank, meta) in enumerate(ranks):
+        src = i if group is None else dist.get_global_rank(group, i)
+        part = {}
+        for k in sorted(meta):
+            shape, dtype = meta[k]
+            t = sd[k].contiguous().clone() if i == me else torch.empty(shape, dtype=dtype, device=dev)
+            dist.broadcast(t, src, group=group)
+            part[k] = t
+        parts.append((rank, part))
+    return parts
 
 
 def hf_state_dict(model, fused: bool = True, group=None, grads: bool = False) -> dict:

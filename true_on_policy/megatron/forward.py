@@ -36,7 +36,7 @@ from true_on_policy.trainer import hf as trainer
 from true_on_policy.contract import Contract, get_contract
 from true_on_policy.kernels import embedding as _emb
 from true_on_policy.kernels import rope as _rope
-from true_on_policy.megatron import comm, config, ops
+from true_on_policy.megatron import comm, config, ops, pipeline
 
 _STATE = "_true_on_policy_state"
 TrainerPatchError = trainer.TrainerPatchError
@@ -76,24 +76,33 @@ def _moe(st, mlp, m):
 
 
 def _forward(self, input_ids, position_ids=None, attention_mask=None, **ignored):
-    """input_ids [B, S] (right-padded rows) -> fp32 logits [B, S, vocab], the same on every TP rank."""
+    """input_ids [B, S] (right-padded rows) -> fp32 logits [B, S, vocab], the same on every TP rank.
+    Pipeline parallel: stages other than the last return ``pipeline.send``'s token."""
     st = getattr(self, _STATE)
-    g, f = st.groups, st.f
+    g, f, stage = st.groups, st.f, st.stage
     b, s = input_ids.shape
     if g.sequence_parallel and (b * s) % comm.world(g.tp):
         raise TrainerPatchError(f"sequence parallel: {b}x{s} tokens must divide by TP {comm.world(g.tp)} "
                                 "(token_logprobs pads the sequences for you)")
     pos = (position_ids if position_ids is not None else torch.arange(s, device=input_ids.device).expand(b, s))
     cos, sin = _rope.cos_sin(pos.reshape(-1), f["head_dim"], f["theta"], st.scaling)
-    table = self.embedding.word_embeddings.weight
-    h = _emb.embedding_reference(input_ids.reshape(-1), table, comm.rank_in(g.tp) * table.shape[0])
-    h = comm.sum_exact_(h, g.tp)
-    if g.sequence_parallel:
-        h = comm.scatter_rows(h, g.tp)
+    if stage.first:
+        table = self.embedding.word_embeddings.weight
+        h = _emb.embedding_reference(input_ids.reshape(-1), table, comm.rank_in(g.tp) * table.shape[0])
+        h = comm.sum_exact_(h, g.tp)
+        if g.sequence_parallel:
+            h = comm.scatter_rows(h, g.tp)
+        residual, x = h, None
+    else:  # the previous stage's residual stream and last MoE output, unsummed
+        rows = b * s // (comm.world(g.tp) if g.sequence_parallel else 1)
+        residual, x = pipeline.recv((rows, f["hidden_size"]), torch.bfloat16, input_ids.device, stage)
     for layer in self.decoder.layers:
+        h = residual if x is None else residual + x
         h = h + _attention(st, layer.self_attention, _norm(st, h, layer.input_layernorm), cos, sin, b, s)
-        h = h + _moe(st, layer.mlp, _norm(st, h, layer.pre_mlp_layernorm))
-    h = _norm(st, h, self.decoder.final_layernorm)
+        residual, x = h, _moe(st, layer.mlp, _norm(st, h, layer.pre_mlp_layernorm))
+    if not stage.last:
+        return pipeline.send(residual, x, stage)
+    h = _norm(st, residual + x, self.decoder.final_layernorm)
     h = comm.gather_rows(h, g.tp) if g.sequence_parallel else comm.copy_to(h, g.tp)
     logits = comm.gather_cols(st.ops.lm_head(h, self.output_layer.weight), g.tp)
     return logits[:, :f["vocab_size"]].reshape(b, s, -1)
@@ -123,15 +132,17 @@ def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", p
                                     "call unpatch_megatron_model(model) first")
         return state.record
     sp = model.true_on_policy_sequence_parallel if sequence_parallel is None else sequence_parallel
-    groups = comm.Groups.from_parallel_state(sp)
+    groups, stage = comm.Groups.from_parallel_state(sp), pipeline.Stage.from_parallel_state()
     record = {"role": "trainer:megatron-core", "contract": c.name, "fingerprint": c.fingerprint,
               "provider": provider, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
-                                               "etp": comm.world(groups.etp), "sequence_parallel": sp},
+                                               "etp": comm.world(groups.etp), "sequence_parallel": sp,
+                                               "pp": comm.world(stage.group),
+                                               "stage_layers": list(getattr(model, "true_on_policy_stage", ()))},
               "replaced": [f"{type(model).__module__}.{type(model).__qualname__}.forward -> "
                            "true_on_policy.megatron.forward._forward"]}
     had = "forward" in model.__dict__
     setattr(model, _STATE, types.SimpleNamespace(
-        ops=ops.get(provider), provider=provider, groups=groups, f=f, record=record, original=(had, model.__dict__.get("forward")),
+        ops=ops.get(provider), provider=provider, groups=groups, stage=stage, f=f, record=record, original=(had, model.__dict__.get("forward")),
         scaling=_rope.rope_scaling(f["rope"], f["max_positions"]), contract=c))
     model.forward = types.MethodType(_forward, model)
     return record
@@ -197,7 +208,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     distribution with ``top_k``/``top_p``/``min_p``), equal on every TP rank. This rank's rows: under
     EP without TP (expert ranks in the data-parallel dimension), every rank passes its own batch of
     the same shape. Under sequence parallel the rows are right-padded to a multiple of TP first
-    (padding is after every real token: it changes no bit of theirs)."""
+    (padding is after every real token: it changes no bit of theirs). Pipeline parallel: every rank
+    of the pipeline group passes the same batch and gets the last stage's log-probs (broadcast
+    over the group, a copy); every rank then calls ``backward`` on its loss of them (the last
+    stage's drives the gradient; ``pipeline``)."""
     state = getattr(model, _STATE, None)
     if state is None:
         raise TrainerPatchError("token_logprobs needs a patched model: call patch_megatron_model(model) first")
@@ -211,13 +225,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ids, tp = input_ids, comm.world(state.groups.tp)
     if state.groups.sequence_parallel and s % tp:
         ids = torch.nn.functional.pad(input_ids, (0, tp - s % tp))
-    logits = model(ids, torch.arange(ids.shape[1], device=ids.device).expand(b, -1))[:, :s]
-    rows, toks = logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1)
+    out = model(ids, torch.arange(ids.shape[1], device=ids.device).expand(b, -1))
+    if not state.stage.last:  # this stage's token: the last stage's log-probs arrive by broadcast
+        return pipeline.from_last(out, (b, s - 1), state.stage)
+    rows, toks = out[:, :s][:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1)
     if top_k is None and top_p is None and min_p is None:
         lp = state.ops.logprobs(rows, toks, float(temperature))
     else:
         lp = state.ops.truncated_logprobs(rows, toks, float(temperature), top_k, top_p, min_p)
-    return lp.view(b, s - 1)
+    return pipeline.from_last(lp.view(b, s - 1), (b, s - 1), state.stage)
 
 
 def check_rollout(rollout, model=None, *, contract=None, api_key: str | None = None, timeout: float = 30.0) -> list:
