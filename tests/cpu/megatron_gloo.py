@@ -1,8 +1,10 @@
-"""Two CPU processes over gloo, reference provider: the Megatron trainer at TP2, TP2 + SP, EP2 (expert
-ranks in the data-parallel dimension: each rank its own rows) and TP2 + EP2 + SP (expert TP 1) against
-the TP1 results the calling test saved. Log-probs (plain and truncated) bitwise equal; gradients
-close (the backward is a reference); the export of the sharded model bitwise the checkpoint.
-Run: python -m torch.distributed.run --nproc_per_node 2 THIS CHECKPOINT TP1_RESULTS.pt LAYOUT..."""
+"""CPU processes over gloo, reference provider: the Megatron trainer at TP2, TP2 + SP, EP2 (expert
+ranks in the data-parallel dimension: each rank its own rows), TP2 + EP2 + SP (expert TP 1), PP2
+(even split, and uneven ``pp2u``: 2 + 1 layers of a 3-layer model) on two ranks, and TP2 x PP2
+(with and without SP) on four, against the TP1 results the calling test saved. Log-probs (plain and
+truncated) bitwise equal, on every rank (PP: the last stage's, broadcast); gradients close (the
+backward is a reference); the export of the sharded (or staged) model bitwise the checkpoint.
+Run: python -m torch.distributed.run --nproc_per_node N THIS CHECKPOINT TP1_RESULTS.pt LAYOUT..."""
 import sys
 import warnings
 
@@ -17,7 +19,9 @@ from transformers import AutoConfig  # noqa: E402
 from true_on_policy import megatron as tm  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2, ep=1, etp=2, sp=False), "tp2sp": dict(tp=2, ep=1, etp=2, sp=True),
-           "ep2": dict(tp=1, ep=2, etp=1, sp=False), "tp2ep2sp": dict(tp=2, ep=2, etp=1, sp=True)}
+           "ep2": dict(tp=1, ep=2, etp=1, sp=False), "tp2ep2sp": dict(tp=2, ep=2, etp=1, sp=True),
+           "pp2": dict(tp=1, ep=1, etp=1, sp=False, pp=2), "pp2u": dict(tp=1, ep=1, etp=1, sp=False, pp=2, first=2),
+           "tp2pp2": dict(tp=2, ep=1, etp=2, sp=False, pp=2), "tp2pp2sp": dict(tp=2, ep=1, etp=2, sp=True, pp=2)}
 
 
 def bitwise(got, want, what):
@@ -28,15 +32,17 @@ def bitwise(got, want, what):
 
 def run(path, ref, name):
     lay = LAYOUTS[name]
-    ps.initialize_model_parallel(lay["tp"], 1, expert_model_parallel_size=lay["ep"],
+    pp = lay.get("pp", 1)
+    ps.initialize_model_parallel(lay["tp"], pp, expert_model_parallel_size=lay["ep"],
                                  expert_tensor_parallel_size=lay["etp"])
     cfg = AutoConfig.from_pretrained(path)
     hf = load_file(f"{path}/model.safetensors")  # the checkpoint's per-expert names (SGLang's)
-    model = tm.build_model(cfg, sequence_parallel=lay["sp"])
+    model = tm.build_model(cfg, sequence_parallel=lay["sp"], num_layers_in_first_pipeline_stage=lay.get("first"))
     tm.load_hf(model, hf)
-    tm.patch_megatron_model(model)
-    rank = dist.get_rank()
-    rows = slice(2 * rank, 2 * rank + 2) if lay["tp"] == 1 else slice(None)  # EP2 at TP1: data-parallel rows
+    rec = tm.patch_megatron_model(model)
+    assert rec["layout"]["pp"] == pp, rec
+    rank, dp_ep = dist.get_rank(), lay["tp"] == 1 and lay["ep"] > 1
+    rows = slice(2 * rank, 2 * rank + 2) if dp_ep else slice(None)  # EP2 at TP1: data-parallel rows
     ids, mask = ref["ids"][rows], ref["mask"][rows]
     with torch.no_grad():
         bitwise(tm.token_logprobs(model, ids, mask, 0.7), ref["lp"][rows], f"{name} log-probs")
@@ -51,7 +57,7 @@ def run(path, ref, name):
     loss = -(tm.token_logprobs(model, ids, mask, 0.7) * mask[:, 1:]).sum()
     loss.backward()
     tm.finalize_grads(model)
-    if lay["tp"] == 1:  # EP as data parallel: non-expert gradients are summed over the DP ranks (DDP's job)
+    if dp_ep:  # EP as data parallel: non-expert gradients are summed over the DP ranks (DDP's job)
         for n, p in model.named_parameters():
             if "local_experts" not in n:
                 dist.all_reduce(p.grad)

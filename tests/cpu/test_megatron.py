@@ -3,8 +3,10 @@ megatron-core (CI installs only ``.[dev]``; ``pip install -e '.[megatron]'`` run
 
 Chain of equalities (bitwise unless said):
   patched HF trainer == Megatron TP1  (log-probs: plain, T != 1, truncated, right-padded batches)
-  Megatron TP1 == TP2 == TP2+SP == EP2 (data-parallel rows) == TP2+EP2+SP  (two gloo ranks)
-  HF -> Megatron shards -> HF == the checkpoint (every layout), the sharded export == the checkpoint
+  Megatron TP1 == TP2 == TP2+SP == EP2 (data-parallel rows) == TP2+EP2+SP == PP2  (two gloo ranks)
+  Megatron TP1 == PP2 with an uneven split (2 + 1 layers of a 3-layer model)  (two gloo ranks)
+  Megatron TP1 == TP2xPP2 == TP2xPP2+SP  (four gloo ranks)
+  HF -> Megatron shards (and stages) -> HF == the checkpoint (every layout), the export == the checkpoint
   gradients of every layout close to TP1's (the backward is a reference: not bitwise)
 """
 
@@ -99,16 +101,29 @@ def test_patch_idempotent_reversible_and_handshake(meg):
         tm.token_logprobs(meg, _batch()[0])
 
 
-@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1), (2, 2, 2), (2, 4, 1), (1, 8, 1)])
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1),
+                                    (2, 4, 1, 1), (1, 8, 1, 1), (1, 1, 1, 2), (2, 2, 1, 2)])
 def test_conversion_round_trip_every_layout(path, hf, layout):
-    tp, ep, etp = layout
+    tp, ep, etp, pp = layout
     f = tm.hf_fields(hf.config)
     sd = hf.state_dict()
     ckpt = load_file(f"{path}/model.safetensors")
+    split = config.stage_layers(f["num_layers"], pp)
     parts = []
-    for r in range(tp * ep):  # rank r: tp rank r % tp; EP x ETP laid over the same ranks
-        rank = tm.Rank(tp, r % tp, ep, (r // etp) % ep, etp, r % etp)
+    for r in range(tp * ep * pp):  # rank r: tp rank r % tp; EP x ETP laid over the same ranks; stage r // (tp*ep)
+        st = r // (tp * ep)
+        rank = tm.Rank(tp, r % tp, ep, (r // etp) % ep, etp, r % etp, pp, st, (sum(split[:st]), split[st]))
         parts.append((rank, tm.to_megatron(ckpt if r % 2 else sd, f, rank)))  # fused and per-expert inputs
+        if pp > 1:  # a stage holds its layers (local indices), the embedding first, the head last
+            keys = parts[-1][1]
+            assert ("embedding.word_embeddings.weight" in keys) == (st == 0)
+            assert ("output_layer.weight" in keys) == ("decoder.final_layernorm.weight" in keys) == (st == pp - 1)
+            assert {k.split(".")[2] for k in keys if k.startswith("decoder.layers.")} == {str(i) for i in range(split[st])}
+    with pytest.raises(ValueError, match="stages"):
+        if pp > 1:
+            tm.to_hf(parts[: tp * ep], f)
+        else:
+            raise ValueError("stages")
     back = tm.to_hf(parts, f)
     assert set(back) == set(sd)
     for k in sd:
@@ -147,19 +162,29 @@ def test_one_optimizer_step_changes_weights_and_export(meg):
 
 def test_refusals_list_every_problem(hf):
     f = tm.hf_fields(hf.config)
-    p = config.layout_problems(dict(f, tie=True), tp=3, ep=3, etp=1, pp=2, vpp=2, cp=2)
+    p = config.layout_problems(dict(f, tie=True), tp=3, ep=3, etp=1, pp=3, vpp=2, cp=2)
     text = "\n".join(p)
     for want in ("tie_word_embeddings", "tensor_model_parallel_size=3", "expert_model_parallel_size=3",
-                 "pipeline_model_parallel_size=2", "virtual_pipeline", "context_parallel_size=2"):
+                 "pipeline_model_parallel_size=3 must divide num_hidden_layers=2", "virtual_pipeline",
+                 "context_parallel_size=2"):
         assert want in text, text
+    assert config.layout_problems(f, tp=1, ep=1, etp=1, pp=2) == []
+    six = dict(f, num_layers=6)
+    assert config.pipeline_problems(6, 3, first=1, last=1) == [] and config.stage_layers(6, 3, 1, 1) == [1, 4, 1]
+    assert config.stage_layers(6, 2, first=4) == [4, 2] and config.stage_layers(6, 3) == [2, 2, 2]
+    for bad in (dict(pp=4, first=1, last=2), dict(pp=2, first=0, last=6), dict(pp=2, first=2, last=2),
+                dict(pp=1, first=3), dict(pp=3, first=6)):
+        pp = bad.pop("pp")
+        assert config.layout_problems(six, 1, 1, 1, pp, **bad), (pp, bad)
     assert any("sequence_parallel" in x for x in config.layout_problems(f, tp=2, ep=2, etp=1))
     assert config.layout_problems(f, tp=2, ep=2, etp=1, sequence_parallel=True) == []
 
     class Cfg:
         moe_permute_fusion, masked_softmax_fusion, transformer_impl, moe_grouped_gemm = True, True, "transformer_engine", True
+        pipeline_model_parallel_layout, account_for_loss_in_pipeline_split = "Et|tL", True
 
     problems = config.config_problems(Cfg())
-    assert len(problems) == 4 and "moe_permute_fusion" in problems[0]
+    assert len(problems) == 6 and "moe_permute_fusion" in problems[0], problems
 
     class TELinear(torch.nn.Linear):
         pass
@@ -174,21 +199,53 @@ def test_patch_refuses_float_model(meg):
         tm.patch_megatron_model(meg)
 
 
-def test_parallel_layouts_two_gloo_ranks(path, meg, tmp_path):
-    """TP2, TP2+SP, EP2, TP2+EP2+SP on two processes (tests/cpu/megatron_gloo.py) against TP1."""
+def _tp1_reference(meg, out):
     ids, mask = _batch(11)
     with torch.no_grad():
         lp = tm.token_logprobs(meg, ids, mask, 0.7)
         lp_trunc = tm.token_logprobs(meg, ids, mask, 0.7, top_k=5, top_p=0.9)
     (-(tm.token_logprobs(meg, ids, mask, 0.7) * mask[:, 1:]).sum()).backward()
-    ref = dict(ids=ids, mask=mask, lp=lp, lp_trunc=lp_trunc, grads=tm.hf_state_dict(meg, grads=True))
-    torch.save(ref, tmp_path / "tp1.pt")
+    torch.save(dict(ids=ids, mask=mask, lp=lp, lp_trunc=lp_trunc, grads=tm.hf_state_dict(meg, grads=True)), out)
+    return out
+
+
+def _launch(path, ref, nproc, layouts):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    layouts = ["tp2", "tp2sp", "ep2", "tp2ep2sp"]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "tests" / "cpu" / "megatron_gloo.py"), path, str(tmp_path / "tp1.pt"),
-                        *layouts], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                        str(ROOT / "tests" / "cpu" / "megatron_gloo.py"), str(path), str(ref), *layouts],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
     for name in layouts:
-        assert r.stdout.count(f"megatron-ok {name} ") == 2, r.stdout
+        assert r.stdout.count(f"megatron-ok {name} ") == nproc, r.stdout
+
+
+def test_parallel_layouts_two_gloo_ranks(path, meg, tmp_path):
+    """TP2, TP2+SP, EP2, TP2+EP2+SP, PP2 on two processes (tests/cpu/megatron_gloo.py) against TP1."""
+    _launch(path, _tp1_reference(meg, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2"])
+
+
+def test_pipeline_tp2_pp2_four_gloo_ranks(path, meg, tmp_path):
+    """TP2 x PP2, with and without SP, on four processes against TP1."""
+    _launch(path, _tp1_reference(meg, tmp_path / "tp1.pt"), 4, ["tp2pp2", "tp2pp2sp"])
+
+
+def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):
+    """PP2 split 2 + 1 (num_layers_in_first_pipeline_stage=2) of a 3-layer model (layer 2 a copy of
+    layer 0) against that model at TP1."""
+    import json
+
+    from safetensors.torch import save_file
+
+    three = tmp_path / "three"
+    three.mkdir()
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    (three / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
+    ckpt = load_file(f"{path}/model.safetensors")
+    ckpt.update({k.replace("model.layers.0.", "model.layers.2."): v.clone() for k, v in ckpt.items()
+                 if k.startswith("model.layers.0.")})
+    save_file(ckpt, str(three / "model.safetensors"))
+    m = tm.build_model(dict(cfg, num_hidden_layers=3))
+    tm.load_hf(m, ckpt)
+    tm.patch_megatron_model(m)
+    _launch(three, _tp1_reference(m, tmp_path / "tp1.pt"), 2, ["pp2u"])

@@ -128,7 +128,8 @@ def config_problems(cfg) -> list[str]:
         out.append("fp8/fp4 training is not in the contract (bf16 weights)")
     for k in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
               "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size"):
-        if getattr(cfg, k, None) not in (None, False, 1):
+        v = getattr(cfg, k, None)
+        if v is True or (not isinstance(v, bool) and v not in (None, 1)):
             out.append(f"{k}={getattr(cfg, k)!r}: only the plain stage split (num_layers_in_first/last_pipeline_stage)")
     if getattr(cfg, "context_parallel_size", 1) != 1:
         out.append("context_parallel_size > 1 is not in the contract")
