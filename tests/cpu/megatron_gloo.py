@@ -41,6 +41,11 @@ def run(path, ref, name):
     tm.load_hf(model, hf)
     rec = tm.patch_megatron_model(model)
     assert rec["layout"]["pp"] == pp, rec
+    if pp > 1:  # this stage's layers (megatron-core's split) and its end modules
+        stage, n = ps.get_pipeline_model_parallel_rank(), cfg.num_hidden_layers
+        split = [lay["first"], n - lay["first"]] if "first" in lay else [n // 2, n // 2]
+        assert rec["layout"]["stage_layers"] == [sum(split[:stage]), split[stage]], rec
+        assert hasattr(model, "embedding") == (stage == 0) and hasattr(model, "output_layer") == (stage == 1)
     rank, dp_ep = dist.get_rank(), lay["tp"] == 1 and lay["ep"] > 1
     rows = slice(2 * rank, 2 * rank + 2) if dp_ep else slice(None)  # EP2 at TP1: data-parallel rows
     ids, mask = ref["ids"][rows], ref["mask"][rows]

@@ -245,7 +245,9 @@ def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):
     ckpt.update({k.replace("model.layers.0.", "model.layers.2."): v.clone() for k, v in ckpt.items()
                  if k.startswith("model.layers.0.")})
     save_file(ckpt, str(three / "model.safetensors"))
-    m = tm.build_model(dict(cfg, num_hidden_layers=3))
+    from transformers import AutoConfig
+
+    m = tm.build_model(AutoConfig.from_pretrained(three))
     tm.load_hf(m, ckpt)
     tm.patch_megatron_model(m)
     _launch(three, _tp1_reference(m, tmp_path / "tp1.pt"), 2, ["pp2u"])

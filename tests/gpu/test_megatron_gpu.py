@@ -123,7 +123,7 @@ def test_megatron_two_gpu_layouts_vs_rollout(tiny_cache, tmp_path, gpu_evidence,
     with TrueOnPolicyEngine(model_path=path, mem_fraction_static=0.3, **kw) as eng:
         ref = _batch(*_rollout(eng))
     torch.save(ref, tmp_path / "rollout.pt")
-    layouts = ["tp2", "tp2sp", "ep2", "tp2ep2sp"]
+    layouts = ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(ROOT / "tests" / "gpu" / "megatron_dist.py"), path, str(tmp_path / "rollout.pt"), *layouts],
