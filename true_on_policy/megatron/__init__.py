@@ -1,8 +1,8 @@
 """Megatron-core trainer side (issue 17): Qwen3-MoE on megatron-core's local layer spec, its
-forward on the contract's kernels, at TP / expert-TP / EP / sequence parallel.
+forward on the contract's kernels, at TP / expert-TP / EP / sequence parallel / pipeline parallel.
 
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     from true_on_policy import megatron as tpo_megatron
     model = tpo_megatron.build_model(hf_config, sequence_parallel=sp)   # megatron-core GPTModel
     tpo_megatron.load_hf(model, hf_state_dict)                         # this rank's shards
@@ -14,7 +14,8 @@ forward on the contract's kernels, at TP / expert-TP / EP / sequence parallel.
 Needs the optional extra ``megatron`` (``pip install -e '.[megatron]'``). Files: ``config``
 (builder, refusals), ``comm`` (groups, exact collectives with their backward), ``ops`` (the
 contract's ops per provider, sharded MoE), ``forward`` (the model forward, ``token_logprobs``,
-``check_rollout``), ``convert`` (HF <-> Megatron state dicts), ``export`` (Megatron -> SGLang).
+``check_rollout``), ``pipeline`` (stage boundary, log-probs broadcast), ``convert`` (HF <-> Megatron
+state dicts), ``export`` (Megatron -> SGLang).
 Built and CPU-tested (tests/cpu/test_megatron.py); not yet run on GPUs.
 """
 

@@ -1,7 +1,7 @@
 """Qwen3-MoE on megatron-core's local layer spec: the builder and the layout check.
 
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
     model = build_model(hf_config, sequence_parallel=sp)  # megatron-core GPTModel, bf16, our forward off
 

@@ -15,8 +15,9 @@ checkpointing), which is what a Megatron trainer integrates with. The replacemen
 parameters in Hugging Face Qwen3-MoE order on flat batch-major token rows [B*S, H]:
 
     h = embed(ids)  (vocab-parallel: own rows, exact sum over TP; SP: own row chunk)
-    per layer:  h = h + o_proj(attn(rope(qk_norm(qkv(norm(h))))));  h = h + moe(norm(h))
-    logits = lm_head(norm(h)) in fp32, vocab columns all-gathered (exact), sliced to the vocabulary
+    per layer:  h = residual + x;  h = h + o_proj(attn(rope(qk_norm(qkv(norm(h))))));
+                residual, x = h, moe(norm(h))       (PP: the pair (residual, x) crosses stages)
+    logits = lm_head(norm(residual + x)) in fp32, vocab columns all-gathered (exact), sliced to the vocabulary
 
 Residual adds are bf16 additions, the HF trainer's and the rollout's fused add+norm alike
 (``kernels/rmsnorm.py``: s = bf16(x + residual)). Column linears run on this rank's output rows
