@@ -41,7 +41,7 @@ def run(tokens):
     print("| tokens | tiles | ms | GB/s (touched experts) | bits == ROW |\n|---:|---|---:|---:|---|")
     for t in tokens:
         ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
-        rows, be, _, own = align(ids, 0, E, own=True)
+        rows, be, _, own = align(ids, 0, E)
         h = (torch.randn(rows.shape[0], INTER, device="cuda", generator=g)).bfloat16()
         real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
         touched = int(torch.unique(ids).numel()) * H * INTER * 2
@@ -53,7 +53,7 @@ def run(tokens):
             bexp = be[:, None].expand(-1, per).reshape(-1) if per > 1 else be
             out = torch.empty(rows.shape[0], H, dtype=torch.float32, device="cuda")
 
-            def launch(cfg=cfg, flat=flat, bexp=bexp, out=out):
+            def launch(cfg=cfg, flat=flat, bexp=bexp, out=out, h=h, rows=rows, own=own):
                 grid = (triton.cdiv(rows.shape[0], cfg["BLOCK_M"]),
                         triton.cdiv(H, cfg["BLOCK_N"] * cfg.get("N_GROUP", 1)), 1)
                 mm._matmul_kernel[grid](h, w2, out, own, bexp, rows.shape[0], H, INTER // 8, h.stride(0), h.stride(1),

@@ -241,15 +241,14 @@ def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=t
     return y
 
 
-def align(ids: torch.Tensor, first_expert: int, num_local: int, own: bool = False):
+def align(ids: torch.Tensor, first_expert: int, num_local: int):
     """Expert-sorted row table, sync-free (CUDA-graph safe), padded per expert to ALIGN rows.
 
-    Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1) and
-    pos [T*k] (row of slot (t, j) in the table, -1 when the expert is not local). Within an
-    expert, slots keep (token, slot) order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks.
-    Two launches (``_count_kernel``, ``_align_kernel``: one program per local expert, plus one for
+    Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1), pos [T*k]
+    (row of slot (t, j) in the table, -1 when the expert is not local) and own [P] (the down GEMM's
+    table: each real row's own index, padding -1). Within an expert, slots keep (token, slot)
+    order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks. Two launches (``_count_kernel``, ``_align_kernel``: one program per local expert, plus one for
     the unused blocks and the slots of other ranks' experts); rows of unused blocks are undefined.
-    ``own=True`` appends the down GEMM's table: each real row's own index, padding -1.
     """
     t, k = ids.shape
     n = t * k
@@ -267,7 +266,7 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int, own: bool = Fals
         counts.zero_()
     _align_kernel[(num_local + 1,)](flat, counts, rows, own_rows, block_expert, pos, n, k, first_expert, num_local,
                                     n_blocks, ALIGN=ALIGN, NBLOCK=NBLOCK, BLOCK_E=triton.next_power_of_2(num_local))
-    return (rows, block_expert, pos, own_rows) if own else (rows, block_expert, pos)
+    return rows, block_expert, pos, own_rows
 
 
 def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):
@@ -281,7 +280,7 @@ def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):
 def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.Tensor:
     """fp32 [T*k, H] slot-major outputs of this rank's experts (their subtree roots when the
     intermediate dim is sharded); zero in the slots of experts owned elsewhere."""
-    rows, block_expert, pos, own = align(ids, first_expert, w13.shape[0], own=True)
+    rows, block_expert, pos, own = align(ids, first_expert, w13.shape[0])
     e_sorted = _expert_sorted(x, rows, own, block_expert, w13, w2, segments)
     return torch.where((pos >= 0)[:, None], e_sorted[pos.clamp(min=0)], 0.0)
 
@@ -302,7 +301,7 @@ def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=Non
     segments = _segments_for(_world(tp_group), w2.shape[2])
     w, ids = route(matmul(x, router_w), top_k, norm_topk)
     if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
-        rows, block_expert, pos, own = align(ids, 0, e_local, own=True)
+        rows, block_expert, pos, own = align(ids, 0, e_local)
         return combine(_expert_sorted(x, rows, own, block_expert, w13, w2, segments), pos.view(-1, top_k), w, x.dtype)
     first = rank_in(ep_group) * e_local
     e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments), tp_group)

@@ -222,7 +222,7 @@ def test_tree_flat_equals_segmented(rows, n_out, k, segments, monkeypatch, gpu_e
     x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
     we = _randn(g, 4, n_out, k, scale=0.02)
     ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
-    table, be, _ = align(ids, 0, 4)
+    table, be, _, _ = align(ids, 0, 4)
     real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)  # rows of unused blocks are undefined
     outs = {}
     for flat in (True, False):

@@ -20,7 +20,7 @@ cases.append(torch.zeros(0, 8, dtype=torch.int32))
 for ids in cases:
     e = int(ids.max()) + 1 if ids.numel() else 8
     for first, local in ((0, e), (e // 2, e - e // 2), (0, max(e // 4, 1))):  # one process, EP slices
-        rows, be, pos, own = align(ids, first, local, own=True)
+        rows, be, pos, own = align(ids, first, local)
         r_rows, r_be, r_pos = align_reference(ids, first, local)
         assert torch.equal(be, r_be), (ids.shape, first, local, be, r_be)
         assert torch.equal(pos, r_pos), (ids.shape, first, local)
