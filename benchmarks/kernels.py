@@ -24,6 +24,7 @@ from true_on_policy.kernels.matmul import matmul
 from true_on_policy.kernels.moe import moe
 from true_on_policy.kernels.rmsnorm import rmsnorm
 from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
+from true_on_policy.kernels.sampling import sample
 from true_on_policy.kernels.tree_reduce import row_linear
 
 H, HQ, HKV, D, E, K, INTER, VOCAB, CTX, MAX_CTX = 2048, 32, 4, 128, 128, 8, 768, 151936, 1024, 40960
@@ -233,6 +234,15 @@ def rows_for(t):
     lg, tok = _r(t, VOCAB, scale=3), torch.randint(0, VOCAB, (t,), device="cuda")
     out.append(("token log-probs", t, lambda: token_logprobs(lg, tok, 0.7, validate=False), "torch log_softmax+gather",
                 lambda: torch.log_softmax(lg.float() / 0.7, -1).gather(-1, tok[:, None])))
+    lf = lg.float()
+    seeds, pos = torch.arange(t, device="cuda"), torch.full((t,), 100, device="cuda")
+
+    def stock_sample():  # SGLang's pytorch sampling backend at T=0.7 with log-probs: softmax, draw, log_softmax
+        probs = torch.softmax(lf / 0.7, -1)
+        ids = torch.multinomial(probs, 1)
+        return ids, torch.log_softmax(lf / 0.7, -1).gather(-1, ids)
+    out.append(("sample + its log-prob (T=0.7)", t, lambda: sample(lf, 0.7, seeds, pos, truncating=False),
+                "torch softmax+multinomial+log_softmax", stock_sample))
     return out
 
 

@@ -32,7 +32,11 @@ ROW = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 # 16-row tiles: decode hands an expert a few rows, and a 16-row tile reads its weights with the
 # least wasted work (benchmarks/tree_sweep.py: 0.145 vs 0.238 ms at 64 tokens for 64-row tiles,
 # same bits; 1.29 vs 1.06 ms at 4096). Fixed, whatever the token count.
-ROW_FLAT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4)
+ROW_FLAT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True)
+# GROUPED_UP: the MoE gate/up projection (a plain grouped GEMM, no tree). Its K loop is COLUMN's
+# (the same 16-wide MMA steps from k = 0 upward), so it computes COLUMN's bits (GPU tier:
+# test_grouped_up_tiles_equal_column; benchmarks/tree_sweep.py --gemms gate_up times the candidates).
+GROUPED_UP = COLUMN
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
 # fp32 dot is numpy BLAS, whose summation order depends on a row's place in the tile. Under
@@ -280,7 +284,8 @@ def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False):
             rows, n, k // segments, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0,
             w.stride(-2), w.stride(-1), out.stride(-2), out.stride(-1), out.stride(0) if split else 0,
             HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=1 if split else segments,
-            SPLIT=split, DOT_F32=INTERPRETED, FLAT=cfg is ROW_FLAT and not split, **cfg)
+            SPLIT=split, DOT_F32=INTERPRETED, FLAT=cfg.get("FLAT", False) and not split,
+            **{key: v for key, v in cfg.items() if key != "FLAT"})
     return out
 
 
@@ -349,6 +354,8 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     """
     _check(x, w, "grouped_matmul")
     cfg = _tiles(segments, tree, x.shape[1])
+    if cfg is COLUMN and (not GROUPED_UP.get("FLAT") or x.shape[1] % GROUPED_UP["BLOCK_K"] == 0):
+        cfg = GROUPED_UP
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
         raise ValueError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
     per = ALIGN // cfg["BLOCK_M"]

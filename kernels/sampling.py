@@ -19,8 +19,10 @@ Math, per row r with temperature T, seed s (int64), position p (the row's positi
 - Reported log-prob: logq_token, the very value the draw used.
 
 Invariance: row r depends only on row r's logits and (T, s, p, top_k, top_p, min_p). The draw
-reads the vocabulary (any size V) in the 8 fixed shards of ceil(V/8) columns of ``kernels/logprobs``,
-in fixed 4096-wide chunks; shard winners are combined in shard order; nothing depends on the row count. The truncation is torch (``torch.sort`` stable,
+reads the vocabulary (any size V) in the 8 fixed shards of ceil(V/8) columns of ``kernels/logprobs``;
+each shard's winner is its exact fp64 maximum and lowest id attaining it (an fp32 estimate of the
+noise only skips chunks that cannot hold it: ``GUMBEL_ERR``); shard winners are combined in shard
+order; nothing depends on the row count or the chunking. The truncation is torch (``torch.sort`` stable,
 ``torch.cumsum`` in fp64, one row at a time in the same way whatever the batch); it has no
 separate Triton form.
 """
@@ -32,7 +34,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from true_on_policy.kernels.logprobs import SHARDS, VBLOCK, finish, shard_stats, temperatures, token_z
+from true_on_policy.kernels.logprobs import SHARDS, finish, shard_stats, temperatures, token_z
 
 _U_SCALE = 1.0 / 4294967296.0  # 2^-32
 ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are row-independent)
@@ -93,25 +95,69 @@ def _mix(h, k):
     return h * 5 + 0xE6546B64
 
 
+# The draw's fast path. Every score the argmax compares is the exact fp64 one above; the fp32
+# estimate below only decides which chunks need it. |g32(h) - g(h)| <= GUMBEL_ERR for every hash h
+# (the GPU tier measures it on 2^28 hashes, both ends of the range exhaustively), so the estimate
+# a_v = fl32(x_v + g32_v) is within GUMBEL_ERR + 2^-23 |a_v| of the exact score S_v. Any v with
+# S_v = max S therefore has a_v >= A - (2 GUMBEL_ERR + 2^-22 (|A| + |a_v|)) for the running maximum
+# A of the estimates; a chunk with no such lane holds no maximal score and is skipped. The result
+# (maximum, lowest id attaining it) is the exact fp64 argmax's, bit for bit, whatever the chunking.
+GUMBEL_ERR = 2.0 ** -16
+DRAW_BLOCK = 1024  # lanes per chunk of the draw (the result does not depend on it)
+
+
+@triton.jit
+def _noise_hash(h0, cols):
+    """murmur3 of the column on top of the row's (seed, position) state; fmix32 finaliser."""
+    h = _mix(h0, cols.to(tl.uint32))
+    h = h ^ 16
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _gumbel64(h):
+    u = (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32, exact
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _gumbel32(h):
+    """fp32 estimate of ``_gumbel64(h)``: E = -log(u) from u when 1 - u >= 1/16, else from the
+    series of -log(1 - d) in d = 1 - u (computed from 2^32 - 1 - h, exact near u = 1); -log(E)."""
+    u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    d = ((0xFFFFFFFF - h).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    series = d * (1.0 + d * (0.5 + d * (0.3333333432674408 + d * (0.25 + d * (0.20000000298023224
+                                                                               + d * 0.1666666716337204)))))
+    e = tl.where(d < 0.0625, series, -tl.log(u))
+    return -tl.log(e)
+
+
 @triton.jit
 def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST_IDX, stride_v, stride_l,
-                          SHARD, VOCAB, FROM_LOGITS: tl.constexpr, VBLOCK: tl.constexpr):
-    """One (row, shard): the shard's best fp64 score and its id. Scores: fp64(x) + g, x = logq
-    (``VALS``) or, with FROM_LOGITS, logp = logits / T - lse computed here; greedy rows: fp32 logits."""
+                          SHARD, VOCAB, ERR, FROM_LOGITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One (row, shard): the shard's best fp64 score and the lowest id attaining it ((-inf, 0) when
+    no score beats -inf). Scores: fp64(x) + g, x = logq (``VALS``) or, with FROM_LOGITS,
+    logp = logits / T - lse computed here; greedy rows: fp32 logits. The fp64 scores are computed
+    only in chunks the fp32 estimate cannot rule out (see GUMBEL_ERR)."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     seed = tl.load(SEED + row)
     pos = (tl.load(POS + row) & 0xFFFFFFFF).to(tl.uint32)
     greedy = tl.load(GREEDY + row) != 0
-    h0 = _mix(tl.zeros([VBLOCK], tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
+    h0 = _mix(tl.zeros([BLOCK], tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, pos)
     T = tl.load(TEMP + row)
     lse = tl.load(LSE + row)
-    best = tl.full([VBLOCK], float("-inf"), tl.float64)
-    best_i = tl.zeros([VBLOCK], tl.int64)
-    for start in range(0, SHARD, VBLOCK):
-        local = start + tl.arange(0, VBLOCK)
+    est_max = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], float("-inf"), tl.float64)
+    best_i = tl.full([], 0, tl.int64)
+    for start in range(0, SHARD, BLOCK):
+        local = start + tl.arange(0, BLOCK)
         cols = s * SHARD + local
         ok = (local < SHARD) & (cols < VOCAB)
         logit = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
@@ -119,24 +165,43 @@ def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST
             x = tl.math.div_rn(logit, T) - lse
         else:
             x = tl.load(VALS + row * stride_v + cols, mask=ok, other=float("-inf"))
-        h = _mix(h0, cols.to(tl.uint32))
-        h = h ^ 16
-        h = h ^ (h >> 16)
-        h = h * 0x85EBCA6B
-        h = h ^ (h >> 13)
-        h = h * 0xC2B2AE35
-        h = h ^ (h >> 16)
-        u = (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32, exact
-        g = -tl.log(-tl.log(u))
-        score = tl.where(greedy, logit.to(tl.float64), x.to(tl.float64) + g)
-        score = tl.where(ok, score, float("-inf"))
-        better = score > best  # strict: an earlier chunk keeps a tie
-        best_i = tl.where(better, cols.to(tl.int64), best_i)
-        best = tl.where(better, score, best)
-    m = tl.max(best, axis=0)
-    cand = tl.where(best == m, best_i, 9223372036854775807)
-    tl.store(BEST + row * 8 + s, m)
-    tl.store(BEST_IDX + row * 8 + s, tl.min(cand, axis=0))
+        h = _noise_hash(h0, cols)
+        est = tl.where(greedy, logit, x + _gumbel32(h))
+        est = tl.where(ok, est, float("-inf"))
+        est_max = tl.maximum(est_max, tl.max(est, axis=0))
+        slack = 2.0 * ERR + 2.384185791015625e-07 * (tl.abs(est_max) + tl.abs(est))  # 2^-22
+        near = (est > float("-inf")) & (est >= est_max - slack)  # est = -inf exactly when S = -inf
+        if tl.max(near.to(tl.int32), axis=0) > 0:
+            score = tl.where(greedy, logit.to(tl.float64), x.to(tl.float64) + _gumbel64(h))
+            score = tl.where(ok, score, float("-inf"))
+            m = tl.max(score, axis=0)
+            if m > best:  # strict: an earlier chunk keeps a tie
+                best = m
+                best_i = tl.min(tl.where(score == m, cols.to(tl.int64), 9223372036854775807), axis=0)
+    tl.store(BEST + row * 8 + s, best)
+    tl.store(BEST_IDX + row * 8 + s, best_i)
+
+
+@triton.jit
+def _gumbel_error_kernel(OUT, START, COUNT, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Max |_gumbel32(h) - _gumbel64(h)| over h in [START + pid * BLOCK * ITERS, ...) (GPU tier)."""
+    base = START + tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    err = tl.zeros([BLOCK], tl.float64)
+    for i in range(ITERS):
+        n = base + i * BLOCK + tl.arange(0, BLOCK)
+        h = (n & 0xFFFFFFFF).to(tl.uint32)
+        d = tl.abs(_gumbel32(h).to(tl.float64) - _gumbel64(h))
+        err = tl.maximum(err, tl.where(n < START + COUNT, d, 0.0))
+    tl.store(OUT + tl.program_id(0), tl.max(err, axis=0))
+
+
+def gumbel_error(start: int, count: int, device="cuda") -> float:
+    """Largest |fp32 estimate - fp64 noise| over the hashes [start, start + count) (mod 2^32)."""
+    block, iters = 1024, 64
+    progs = triton.cdiv(count, block * iters)
+    out = torch.empty(progs, dtype=torch.float64, device=device)
+    _gumbel_error_kernel[(progs,)](out, start, count, BLOCK=block, ITERS=iters)
+    return float(out.max())
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -233,8 +298,8 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
         _gumbel_argmax_kernel[(rows, SHARDS)](
             vals, logits, temp, lse, seeds.to(device=device, dtype=torch.int64).contiguous(),
             positions.to(device=device, dtype=torch.int64).contiguous(), greedy, best, best_idx,
-            vals.stride(0), logits.stride(0), triton.cdiv(vocab, SHARDS), vocab,
-            FROM_LOGITS=dist is None, VBLOCK=VBLOCK)
+            vals.stride(0), logits.stride(0), triton.cdiv(vocab, SHARDS), vocab, GUMBEL_ERR,
+            FROM_LOGITS=dist is None, BLOCK=DRAW_BLOCK)
     ids = best_idx.gather(1, torch.argmax(best, dim=1, keepdim=True))[:, 0]
     if dist is not None:
         lp = dist.gather(1, ids[:, None])[:, 0]

@@ -235,6 +235,33 @@ def test_tree_flat_equals_segmented(rows, n_out, k, segments, monkeypatch, gpu_e
     gpu_evidence.append({"test": f"tree_flat_eq_row_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
 
 
+@pytest.mark.parametrize("tiles", ["configured", "flat16", "plain16k128", "flat64"])
+def test_grouped_up_tiles_equal_column(tiles, monkeypatch, gpu_evidence):
+    """The gate/up grouped GEMM computes COLUMN's bits with the configured GROUPED_UP tiles and with
+    other candidates of benchmarks/tree_sweep.py (16-, 64-row tiles, BLOCK_K 64 or 128, flat loop),
+    at decode and prefill token counts: only the speed depends on the tiles."""
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    cfg = {"configured": mm.GROUPED_UP,
+           "flat16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=5, N_GROUP=4, FLAT=True),
+           "plain16k128": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+           "flat64": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, N_GROUP=2, FLAT=True)}[tiles]
+    g = _gen(11)
+    w13 = _randn(g, 128, 1536, 2048, scale=0.03)
+    for t in (1, 64, 256, 4096):
+        x = _randn(g, t, 2048)
+        ids = torch.rand(t, 128, device="cuda", generator=g).argsort(dim=1)[:, :8].int()
+        rows, be, _, _ = align(ids, 0, 128)
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (rows >= 0)
+        monkeypatch.setattr(mm, "GROUPED_UP", mm.COLUMN)
+        ref = mm.grouped_matmul(x, w13, rows, be)[real]
+        monkeypatch.setattr(mm, "GROUPED_UP", cfg)
+        _same(mm.grouped_matmul(x, w13, rows, be)[real], ref, f"gate/up {tiles} tokens={t}")
+    gpu_evidence.append({"test": f"grouped_up_{tiles}_eq_column", "tiles": {k: v for k, v in cfg.items()},
+                         "tokens": [1, 64, 256, 4096], "bitwise": True})
+
+
 @pytest.mark.parametrize("hidden,experts,top_k,inter", [(256, 8, 2, 128), (2048, 128, 8, 768)])
 def test_moe(hidden, experts, top_k, inter, gpu_evidence):
     g = _gen(experts)

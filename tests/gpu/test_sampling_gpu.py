@@ -5,6 +5,9 @@
   (argmax(fp64 fp32-log-prob + Gumbel noise) in torch), and the reported log-prob is the drawn
   value and ``token_logprobs`` bitwise, with and without top_k/top_p/min_p;
 - batch invariance (a row alone == in a batch of 300) and CUDA-graph replay == eager;
+- the draw's fp32 noise estimate stays within ``GUMBEL_ERR`` of the fp64 noise (2^28 hashes: both
+  ends of the range and the series switch exhaustively, the rest in windows), and the fast draw
+  equals the fp64 argmax on peaked, flat, masked, truncated and greedy rows;
 - chi-square over 1,000,000 draws on a 64-token vocabulary accepts the fp32 distribution and
   rejects the bf16 one SGLang's RL path sampled from.
 """
@@ -62,6 +65,35 @@ def test_draw_equals_independent_reimplementation_and_report_is_the_drawn_value(
     else:
         assert torch.equal(lp, token_logprobs(logits, ids, temp))  # the trainer's kernel
     assert torch.isfinite(lp).all()
+
+
+def test_noise_estimate_error_bound(gpu_evidence):
+    from true_on_policy.kernels.sampling import GUMBEL_ERR, gumbel_error
+
+    w = 1 << 26
+    windows = [(0, w), ((1 << 32) - w, w), (0xF0000000 - w // 2, w)]  # ends; the 1 - u = 1/16 switch
+    g = torch.Generator().manual_seed(5)
+    windows += [(int(s) << 8, 1 << 24) for s in torch.randint(0, 1 << 24, (4,), generator=g)]
+    errs = [gumbel_error(s, n) for s, n in windows]
+    gpu_evidence.append({"test": "gumbel_estimate_error", "windows": windows, "max_abs_err": max(errs),
+                         "bound": GUMBEL_ERR, "hashes": sum(n for _, n in windows)})
+    assert max(errs) <= GUMBEL_ERR / 2, (errs, GUMBEL_ERR)
+
+
+@pytest.mark.parametrize("trunc", [None, dict(top_k=20, top_p=0.9)])
+def test_fast_draw_equals_fp64_argmax_on_hard_rows(trunc):
+    from true_on_policy.kernels.sampling import log_softmax_rows, sample, sample_reference, truncate
+
+    logits, temp, seeds, pos = _case(rows=96, seed=7)
+    temp[:16] = 0.05  # peaked: one candidate
+    logits[16:32] = 0.0  # flat: the noise decides
+    logits[32:48, ::3] = -float("inf")  # masked columns
+    logits[48:64] = logits[48:64].bfloat16().float()  # many exact ties in the logits
+    ids, lp, dist = sample(logits, temp, seeds, pos, need_dist=True, **(trunc or {}))
+    logq = truncate(log_softmax_rows(logits, temp), **trunc) if trunc else log_softmax_rows(logits, temp)
+    assert torch.equal(dist, logq)
+    ref = sample_reference(logq, logits, seeds, pos, torch.zeros(96, dtype=torch.bool, device="cuda"))
+    assert torch.equal(ids, ref), f"{int((ids != ref).sum())} rows differ"
 
 
 def test_greedy_rows_are_argmax_of_fp32_logits():

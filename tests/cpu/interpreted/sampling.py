@@ -54,4 +54,25 @@ assert torch.isfinite(logq.gather(1, ti[:, None])).all()  # never draws a trunca
 assert torch.equal(truncate(logp, k, p, mp)[3], logp[3])  # greedy rows keep logp
 ties = torch.zeros(1, 16)
 assert torch.isfinite(truncate(ties, 4)).sum() == 4 and torch.isfinite(truncate(ties, 4))[0, :4].all()
+
+# the draw's fast path: with 4-lane chunks most chunks of a shard are skipped by the fp32 estimate;
+# the ids stay the exact fp64 argmax (the reference) on plain, peaked, truncated, greedy and tied rows
+import true_on_policy.kernels.sampling as sampling_mod  # noqa: E402
+
+peaked = logits.clone()
+peaked[1] *= 40.0  # T-scaled gaps far beyond the noise: one candidate
+peaked[2, 3::17] = -float("inf")  # masked columns
+peaked[5] = 0.0  # all equal: every column is a candidate, ties broken by the noise
+peaked[4, 100] = peaked[4, 30] = float(peaked[4].max()) + 1.0  # greedy tie across shards: lower id
+sampling_mod.DRAW_BLOCK = 4
+for kw, greedy in ((dict(), torch.zeros(R, dtype=torch.bool)),
+                   (dict(top_k=k, top_p=p, min_p=mp), k == 1),
+                   (dict(top_k=torch.tensor([0, 0, 0, 0, 1, 0])), torch.tensor([0, 0, 0, 0, 1, 0]).bool())):
+    fi, flp, fq = sample(peaked, temp, seeds, pos, need_dist=True, **kw)
+    assert torch.equal(fi, sample_reference(fq, peaked, seeds, pos, greedy)), (kw, fi)
+    assert torch.equal(flp, fq.gather(1, fi[:, None])[:, 0])
+    sampling_mod.DRAW_BLOCK = 1024
+    assert torch.equal(sample(peaked, temp, seeds, pos, **kw)[0], fi)  # one chunk per shard: same ids
+    sampling_mod.DRAW_BLOCK = 4
+assert int(sample(peaked, 1.0, seeds, pos, top_k=1)[0][4]) == 30
 print("interpreted-ok")
