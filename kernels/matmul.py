@@ -29,14 +29,16 @@ ROW = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 # segment: the segments' 16-wide MMA steps run in the same order from k = 0 upward and every
 # finished segment is folded into the tree at its boundary, so it computes the same bits as ROW
 # (GPU tier: test_tree_flat_equals_segmented) without ROW's short per-segment loops.
-# 16-row tiles: decode hands an expert a few rows, and a 16-row tile reads its weights with the
-# least wasted work (benchmarks/tree_sweep.py: 0.145 vs 0.238 ms at 64 tokens for 64-row tiles,
-# same bits; 1.29 vs 1.06 ms at 4096). Fixed, whatever the token count.
-ROW_FLAT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True)
+# Tiles: benchmarks/tree_sweep.py (evidence/bench-tree-sweep.json; every candidate computed the same
+# bits): 32-row tiles with 4 column tiles per program balance decode and prefill (0.164 / 0.167 /
+# 0.959 ms at 64 / 256 / 4096 tokens, against 0.250 / 0.254 / 1.023 for ROW's tiles). Fixed, whatever
+# the token count.
+ROW_FLAT = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True)
 # GROUPED_UP: the MoE gate/up projection (a plain grouped GEMM, no tree). Its K loop is COLUMN's
 # (the same 16-wide MMA steps from k = 0 upward), so it computes COLUMN's bits (GPU tier:
-# test_grouped_up_tiles_equal_column; benchmarks/tree_sweep.py --gemms gate_up times the candidates).
-GROUPED_UP = COLUMN
+# test_grouped_up_tiles_equal_column). Sweep: 0.207 / 0.212 / 0.665 ms at 64 / 256 / 4096 tokens,
+# against COLUMN's 0.237 / 0.242 / 0.562.
+GROUPED_UP = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
 # fp32 dot is numpy BLAS, whose summation order depends on a row's place in the tile. Under
