@@ -145,6 +145,29 @@ def main(argv=None) -> int:
     weights_gb = sum(os.path.getsize(os.path.join(model_path, f)) for f in os.listdir(model_path)
                      if f.endswith(".safetensors")) / 2**30
     variants, passes, mems = [], {v: [] for v in a.variants}, {}
+
+    def report(done: int) -> None:
+        """Table and evidence of the passes so far (written after every round, so a run cut short
+        still leaves what it measured, marked incomplete)."""
+        rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
+                 "median": statistics.median(x["tokens_per_s"] for x in passes[v]) if passes[v] else None,
+                 "tokens": [x["tokens"] for x in passes[v]]} for v in a.variants]
+        base = next((r["median"] for r in rows if r["variant"] == "stock"), None)
+        print(f"| variant | tokens/s per pass | median | vs stock |   (after {done} of {a.repeats} rounds)\n"
+              "|---|---|---:|---:|")
+        for r in rows:
+            r["ratio_vs_stock"] = r["median"] / base if base and r["median"] else None
+            ratio = f"{r['ratio_vs_stock']:.2f}" if r["ratio_vs_stock"] else "n/a"
+            med = f"{r['median']:.0f}" if r["median"] else "n/a"
+            print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {med} | {ratio} |",
+                  flush=True)
+        if a.out:
+            write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
+                                   "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
+                                   "repeats": a.repeats, "rounds_done": done, "complete": done == a.repeats,
+                                   "kv_gb": a.kv_gb, "mem_fraction_static": mems, "alternated": True,
+                                   "rows": rows}, prov)
+
     try:
         for v in a.variants:
             mems[v] = round(min(0.9, (weights_gb + a.kv_gb) / _free_gb()), 4)  # budget = f * free - weights
@@ -154,23 +177,10 @@ def main(argv=None) -> int:
         for r in range(a.repeats):
             for var in variants:
                 passes[var.name].append(var.ask(f"pass {r}"))
+            report(r + 1)
     finally:
         for var in variants:
             var.close()
-    rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
-             "median": statistics.median(x["tokens_per_s"] for x in passes[v]),
-             "tokens": [x["tokens"] for x in passes[v]]} for v in a.variants]
-    base = next((r["median"] for r in rows if r["variant"] == "stock"), None)
-    print("| variant | tokens/s per pass | median | vs stock |\n|---|---|---:|---:|")
-    for r in rows:
-        r["ratio_vs_stock"] = r["median"] / base if base else None
-        ratio = f"{r['ratio_vs_stock']:.2f}" if base else "n/a"
-        print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {r['median']:.0f} | {ratio} |")
-    if a.out:
-        write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
-                               "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
-                               "repeats": a.repeats, "kv_gb": a.kv_gb, "mem_fraction_static": mems, "alternated": True,
-                               "rows": rows}, prov)
     return 0
 
 

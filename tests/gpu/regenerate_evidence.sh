@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | bench | rl | tp2 | pp2 (two GPUs each) |
-#        all (the one-GPU groups)
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | bench | rl |
+#        tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48)
+# realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
+# cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +29,11 @@ case $GROUP in
   realshape|all)  # the Qwen3-30B-A3B layer geometry, 6 layers (random bf16 weights, built on the GPU)
     run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-a3b6-t1.0.json"
     run $P --mode stock --trainer hf --geometry a3b6 --temperature 1.0 --out "$E/parity-stock-a3b6-t1.0.json" ;;&
+  realshape48)  # the full depth: ≥ 8k-token prompts in a mixed batch, chunked prefill, radix-cache hits
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-a3b48-t1.0.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo \
+      --new-tokens 256 --kv-gb 6 --out "$E/throughput-a3b48.json" ;;
   rl|all) run python3 -m true_on_policy.harness.rl_loop --steps 100 --out "$E/rl-loop-embedded.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
@@ -47,7 +54,7 @@ case $GROUP in
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|rl|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|rl|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc

@@ -40,10 +40,18 @@ def sampled(output: dict) -> tuple[list[int], list[float]]:
 
 
 def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int,
-            contract: str | None = None, ep_size: int = 1, cuda_graph_max_bs: int | None = None, pp_size: int = 1):
-    """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs)."""
+            contract: str | None = None, ep_size: int = 1, cuda_graph_max_bs: int | None = None, pp_size: int = 1,
+            followups: int = 0, chunked_prefill_size: int | None = None, extend_seed: int = 1):
+    """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs, radix).
+
+    ``followups`` > 0: after the first wave, a second ``generate`` sends, for each of the first
+    ``followups`` prompts, its whole sequence (prompt + sampled tokens) plus 16 new tokens, so its
+    prefix is a radix-cache hit; those outputs follow the first wave's, and ``radix`` holds their
+    prompts and SGLang's ``cached_tokens`` (else ``radix`` is None)."""
     kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
                   log_level="error")
+    if chunked_prefill_size:
+        kwargs["chunked_prefill_size"] = chunked_prefill_size
     if ep_size > 1:
         kwargs["ep_size"] = ep_size
     if pp_size > 1:
@@ -70,21 +78,47 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
     try:
         params = [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
                    "sampling_seed": seed * 100_003 + i} for i in range(len(prompts))]
-        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        return [sampled(o) for o in outs], manifests(), kwargs
+        outs = [sampled(o) for o in engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)]
+        radix = None
+        if followups:
+            extra = make_prompts(followups, 256, seed + extend_seed, 16, 16)
+            second = [prompts[i] + outs[i][0] + extra[i] for i in range(followups)]
+            params = [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
+                       "sampling_seed": seed * 100_003 + len(prompts) + i} for i in range(followups)]
+            raw = engine.generate(input_ids=second, sampling_params=params, return_logprob=True)
+            radix = {"prompts": second, "cached_tokens": [int(o["meta_info"].get("cached_tokens", 0)) for o in raw]}
+            outs += [sampled(o) for o in raw]
+        return outs, manifests(), kwargs, radix
     finally:
         engine.shutdown()
 
 
+def _batches(lengths: list[int], batch_size: int, max_tokens: int) -> list[list[int]]:
+    """Consecutive index groups of at most ``batch_size`` sequences whose padded size (count x
+    longest) stays within ``max_tokens`` (a longer sequence goes alone). Batching changes no bit
+    of a row (the kernels are batch-invariant); it only bounds the fp32 logits' memory."""
+    out, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and (len(cur) == batch_size or (len(cur) + 1) * max(longest, n) > max_tokens):
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    return out + ([cur] if cur else [])
+
+
 def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float, trainer: str = "hf",
-                     batch_size: int = 8):
+                     batch_size: int = 8, max_tokens: int = 16384):
     """Trainer recompute at each sampled token. ``hf``: stock transformers bf16, fp32
     log_softmax(logits / T), one sequence at a time. ``patched``: the same model through
     ``true_on_policy.trainer`` (the contract's kernels), right-padded batches of ``batch_size``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
+    try:  # straight to the GPU (a 30B checkpoint would otherwise sit in host memory first); needs accelerate
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, device_map="cuda").eval()
+    except (ValueError, ImportError):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
     out = []
     info = {"trainer": f"transformers.Qwen3MoeForCausalLM ({trainer})", "dtype": "bfloat16",
             "attn_implementation": model.config._attn_implementation}
@@ -93,11 +127,11 @@ def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float
 
         info["trainer_manifest"] = patch_hf_model(model).to_dict()
         with torch.no_grad():
-            for i in range(0, len(sequences), batch_size):
-                chunk = sequences[i:i + batch_size]
+            for idx in _batches([len(x) for x in sequences], batch_size, max_tokens):
+                chunk = [sequences[i] for i in idx]
                 lp = token_logprobs(model, *right_pad(chunk, "cuda"), temperature)
-                for r, (ids, p) in enumerate(zip(chunk, prompt_lens[i:i + batch_size], strict=True)):
-                    out.append(lp[r, p - 1:len(ids) - 1].cpu())
+                for r, i in enumerate(idx):
+                    out.append(lp[r, prompt_lens[i] - 1:len(sequences[i]) - 1].cpu())
     elif trainer == "hf":
         with torch.no_grad():
             for ids, p in zip(sequences, prompt_lens, strict=True):
@@ -134,13 +168,17 @@ def run(args) -> dict:
     model_path = args.model_path or tiny_model.ensure(args.geometry)
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     prompts = make_prompts(args.prompts, min(cfg["vocab_size"], 256), args.seed)
+    if args.long_prompts:  # long prompts, mixed into the same batch (chunked when longer than the chunk)
+        prompts += make_prompts(args.long_prompts, min(cfg["vocab_size"], 256), args.seed + 7, args.long_len,
+                                args.long_len)
     t0 = time.time()
-    outs, manifests, engine_kwargs = rollout(args.mode, model_path, prompts, args.new_tokens,
-                                             args.temperature, args.seed, args.tp_size, args.contract, args.ep_size,
-                                             args.cuda_graph_max_bs, args.pp_size)
+    outs, manifests, engine_kwargs, radix = rollout(
+        args.mode, model_path, prompts, args.new_tokens, args.temperature, args.seed, args.tp_size, args.contract,
+        args.ep_size, args.cuda_graph_max_bs, args.pp_size, args.radix_followups, args.chunked_prefill_size)
     t_rollout = time.time() - t0
-    seqs = [p + toks for p, (toks, _) in zip(prompts, outs, strict=True)]
-    trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in prompts], args.temperature,
+    all_prompts = prompts + (radix["prompts"] if radix else [])
+    seqs = [p + toks for p, (toks, _) in zip(all_prompts, outs, strict=True)]
+    trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in all_prompts], args.temperature,
                                             args.trainer)
     stats = compare([lps for _, lps in outs], trainer)
     contract = get_contract(args.contract or DEFAULT_CONTRACT)
@@ -153,7 +191,12 @@ def run(args) -> dict:
                    "geometry": None if args.model_path else args.geometry, "prompts": args.prompts,
                    "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed,
                    "tp_size": args.tp_size, "ep_size": args.ep_size, "pp_size": args.pp_size,
-                   "pp_layer_partition": env.PP_LAYER_PARTITION.get(), "engine_kwargs": engine_kwargs, **trainer_info},
+                   "pp_layer_partition": env.PP_LAYER_PARTITION.get(), "engine_kwargs": engine_kwargs,
+                   "long_prompts": args.long_prompts, "long_len": args.long_len if args.long_prompts else None,
+                   "prompt_lengths": [len(p) for p in all_prompts],
+                   "chunked_prefill_size": args.chunked_prefill_size, **trainer_info},
+        "radix_followups": None if radix is None else {"count": len(radix["prompts"]),
+                                                       "cached_tokens": radix["cached_tokens"]},
         **stats,
         "rollout_seconds": round(t_rollout, 2),
         "manifests": manifests,
@@ -177,6 +220,11 @@ def main(argv=None) -> int:
     p.add_argument("--contract", help="true-on-policy contract for --mode tpo (default: the main contract)")
     p.add_argument("--trainer", choices=("hf", "patched"), default="hf",
                    help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
+    p.add_argument("--long-prompts", type=int, default=0, help="add this many prompts of --long-len tokens")
+    p.add_argument("--long-len", type=int, default=8192)
+    p.add_argument("--radix-followups", type=int, default=0,
+                   help="then send this many whole sequences again (plus 16 tokens): radix-cache hits")
+    p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk (its default if unset)")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence

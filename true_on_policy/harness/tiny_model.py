@@ -46,6 +46,7 @@ A3B48 = dict(A3B, num_hidden_layers=48, seed=11)
 A3B5 = dict(A3B, num_hidden_layers=5, seed=12)
 GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001,
               "a3b6": A3B, "a3b48": A3B48, "a3b5": A3B5}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -111,7 +112,12 @@ def build(folder: Path, spec: dict) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="200GB")
+    # a real-shape checkpoint is written in 5 GB shards: one file would be serialised whole in host
+    # memory first (57 GB at the full 30B-A3B depth)
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="5GB" if large else "200GB")
+    if device == "cuda":  # hand the GPU memory back before an engine starts in another process
+        del model
+        torch.cuda.empty_cache()
 
 
 def ensure(geometry: str = "embedded") -> str:
@@ -121,7 +127,7 @@ def ensure(geometry: str = "embedded") -> str:
     except KeyError:
         raise KeyError(f"unknown tiny geometry {geometry!r}; known: {', '.join(GEOMETRIES)}") from None
     final = cache_root() / f"qwen3-moe-{geometry}-{_key(spec)}"
-    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
+    if (final / "config.json").is_file() and any((final / f).is_file() for f in WEIGHT_FILES):
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))

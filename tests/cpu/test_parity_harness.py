@@ -1,0 +1,76 @@
+"""CPU tier: the parity harness's long-prompt, radix-follow-up and batching options (the engine is
+a stand-in; the GPU runs are in tests/gpu/regenerate_evidence.sh)."""
+
+import pytest
+from true_on_policy.harness import parity
+
+
+class _FakeEngine:
+    """Answers generate like SGLang: 3 sampled tokens per prompt, cached_tokens = the longest
+    prefix of the prompt that an earlier prompt's whole sequence covers."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.seen, self.calls = kwargs, [], []
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        self.calls.append([list(p) for p in input_ids])
+        outs = []
+        for p in input_ids:
+            cached = max((len(s) for s in self.seen if p[:len(s)] == s), default=0)
+            toks = [(len(p) + j) % 200 for j in range(3)]
+            self.seen.append(list(p) + toks)
+            outs.append({"meta_info": {"cached_tokens": cached,
+                                       "output_token_logprobs": [(-0.5, t, None) for t in toks]}})
+        return outs
+
+    manifests = staticmethod(lambda: [{"pid": 1}])
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    import true_on_policy.rollout.engine as eng
+
+    made = []
+
+    def factory(**kw):
+        made.append(_FakeEngine(**kw))
+        return made[-1]
+    monkeypatch.setattr(eng, "TrueOnPolicyEngine", factory)
+    return made
+
+
+def test_followups_are_whole_sequences_plus_new_tokens_and_hit_the_cache(fake):
+    prompts = parity.make_prompts(5, 256, 0, 4, 20)
+    outs, _, kwargs, radix = parity.rollout("tpo", "/m", prompts, 3, 1.0, 0, 1, followups=2, chunked_prefill_size=64)
+    assert kwargs["chunked_prefill_size"] == 64 and fake[0].kwargs["chunked_prefill_size"] == 64
+    assert len(outs) == 7 and len(fake[0].calls) == 2
+    for i in range(2):
+        second = radix["prompts"][i]
+        assert second[:len(prompts[i]) + 3] == prompts[i] + outs[i][0] and len(second) == len(prompts[i]) + 3 + 16
+        assert radix["cached_tokens"][i] == len(prompts[i]) + 3  # the first wave's whole sequence
+    assert parity.rollout("tpo", "/m", prompts, 3, 1.0, 0, 1)[3] is None
+
+
+def test_batches_bound_padded_tokens_and_keep_order():
+    lens = [200] * 10 + [8300, 8300, 300]
+    groups = parity._batches(lens, 8, 16384)
+    assert [i for g in groups for i in g] == list(range(len(lens)))
+    assert all(len(g) <= 8 and (len(g) == 1 or len(g) * max(lens[i] for i in g) <= 16384) for g in groups)
+    assert [10] in groups and [11] in groups  # a long sequence goes alone
+
+
+def test_cli_takes_long_prompts_radix_and_chunk(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(args):
+        seen.update(vars(args))
+        return {k: 0 for k in ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction",
+                               "rollout_seconds")}
+    monkeypatch.setattr(parity, "run", fake_run)
+    parity.main(["--mode", "tpo", "--long-prompts", "2", "--long-len", "8192", "--radix-followups", "8",
+                 "--chunked-prefill-size", "4096", "--out", str(tmp_path / "p.json")])
+    assert (seen["long_prompts"], seen["long_len"], seen["radix_followups"], seen["chunked_prefill_size"]) == \
+        (2, 8192, 8, 4096)
