@@ -9,8 +9,9 @@ alternated pass by pass in one run.
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
 memory just before it starts, since SGLang charges the fraction against the memory free at its
-start); each is warmed up with the whole workload; then pass r of every variant runs before pass
-r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
+start; ``engines`` in the evidence records what each got: KV-cache tokens, running requests, the
+largest captured decode batch); each is warmed up with the whole workload; then pass r of every
+variant runs before pass r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
 once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
 counts completion tokens over wall time. The table gives every pass, the median and the ratio to
 stock's median. "deterministic" separates what SGLang's deterministic mode costs (which the
@@ -28,6 +29,9 @@ import sys
 import time
 
 VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob")
+ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
+               "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
+               "sampling_backend", "enable_deterministic_inference")
 
 
 def _engine(name, model_path, mem):
@@ -66,7 +70,12 @@ def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem) -> Non
         dt = time.perf_counter() - t0
         return sum(o["meta_info"]["completion_tokens"] for o in outs), dt
 
-    print("RESULT " + json.dumps({"ready": name}), flush=True)
+    try:  # what bounds the run: KV-cache tokens, admitted requests, the largest captured decode batch
+        info = eng.get_server_info()
+        engine = {k: info.get(k) for k in ENGINE_KEYS}
+    except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+        engine = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+    print("RESULT " + json.dumps({"ready": name, "engine": engine}, default=str), flush=True)
     try:
         for line in sys.stdin:
             cmd = line.split()
@@ -96,7 +105,7 @@ class _Variant:
         self.name = name
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ))
-        self.result()  # ready
+        self.engine = self.result().get("engine")  # ready
 
     def result(self) -> dict:
         for line in self.proc.stdout:
@@ -166,6 +175,7 @@ def main(argv=None) -> int:
                                    "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
                                    "repeats": a.repeats, "rounds_done": done, "complete": done == a.repeats,
                                    "kv_gb": a.kv_gb, "mem_fraction_static": mems, "alternated": True,
+                                   "engines": {var.name: var.engine for var in variants},
                                    "rows": rows}, prov)
 
     try:

@@ -79,6 +79,10 @@ class TrueOnPolicyEngine:
         return self.engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
                                     return_logprob=return_logprob, **kwargs)
 
+    def get_server_info(self) -> dict:
+        """``sglang.Engine.get_server_info``: resolved arguments, KV-cache size, internal states."""
+        return self.engine.get_server_info()
+
     def manifests(self) -> list[dict]:
         from true_on_policy import manifest
 

@@ -1,0 +1,38 @@
+"""CPU tier: the throughput benchmark's variant process answers warm/pass/quit and reports what
+its engine got (the engine is a stand-in; the GPU run is ``regenerate_evidence.sh bench``)."""
+
+import io
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import throughput  # noqa: E402
+
+
+class _Eng:
+    def __init__(self):
+        self.shut = False
+
+    def get_server_info(self):
+        return {"max_total_num_tokens": 123456, "cuda_graph_max_bs": 256, "chunked_prefill_size": 8192,
+                "max_running_requests": 2048, "unrelated": "x"}
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        return [{"meta_info": {"completion_tokens": p["max_new_tokens"]}} for p in sampling_params]
+
+    def shutdown(self):
+        self.shut = True
+
+
+def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    eng = _Eng()
+    monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: eng)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("warm\npass 0\nquit\n"))
+    throughput.serve("tpo", str(tmp_path), 4, 8, 16, 5, 0.5)
+    lines = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    assert lines[0]["ready"] == "tpo" and lines[0]["engine"]["max_total_num_tokens"] == 123456
+    assert set(lines[0]["engine"]) == set(throughput.ENGINE_KEYS)
+    assert [x["cmd"] for x in lines[1:]] == [["warm"], ["pass", "0"]] and all(x["tokens"] == 20 for x in lines[1:])
+    assert eng.shut
