@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | bench | rl |
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | bench | rl |
 #        tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
@@ -34,6 +34,9 @@ case $GROUP in
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo \
       --new-tokens 256 --kv-gb 6 --out "$E/throughput-a3b48.json" ;;
+  largeshapes|all)  # the 235B-A22B and Coder-480B-A35B layer geometries, 2 layers each (~12 and ~34 GB)
+    run $P --mode tpo --trainer patched --geometry a22b2 --temperature 1.0 --out "$E/parity-tpo-a22b2-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a35b2 --temperature 1.0 --out "$E/parity-tpo-a35b2-t1.0.json" ;;&
   rl|all) run python3 -m true_on_policy.harness.rl_loop --steps 100 --out "$E/rl-loop-embedded.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
@@ -49,12 +52,16 @@ case $GROUP in
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
-      --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json" ;;
+      --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json"
+    for g in a22b2 a35b2; do
+      run $P --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 --tp-size 2 --geometry $g \
+        --temperature 1.0 --out "$E/parity-tpo-tp2-$g-t1.0.json"
+    done ;;
   pp2)
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|rl|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|rl|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc

@@ -44,8 +44,16 @@ A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_inte
 A3B48 = dict(A3B, num_hidden_layers=48, seed=11)
 # The same layer geometry at an odd layer count (5): pipeline stages split it unevenly (2 + 3).
 A3B5 = dict(A3B, num_hidden_layers=5, seed=12)
+# The layer geometries of the larger checkpoints, 2 layers each (issue 13): Qwen3-235B-A22B (hidden
+# 4096, 64/4 heads, 128 experts, moe_intermediate 1536; ~12 GB) and Qwen3-Coder-480B-A35B (hidden
+# 6144, 96/8 heads: a group of 12, 160 experts, moe_intermediate 2560, 262144 positions; ~34 GB).
+A22B2 = dict(A3B, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=2,
+             num_attention_heads=64, num_key_value_heads=4, seed=13)
+A35B2 = dict(A3B, hidden_size=6144, intermediate_size=8192, moe_intermediate_size=2560, num_hidden_layers=2,
+             num_attention_heads=96, num_key_value_heads=8, num_experts=160, max_position_embeddings=262144,
+             seed=14)
 GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001,
-              "a3b6": A3B, "a3b48": A3B48, "a3b5": A3B5}
+              "a3b6": A3B, "a3b48": A3B48, "a3b5": A3B5, "a22b2": A22B2, "a35b2": A35B2}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
