@@ -143,11 +143,27 @@ def yarn_inv_freq(head_dim: int, theta: float, y: Yarn, device=None) -> torch.Te
     return interpolation * (1 - e) + extrapolation * e
 
 
+_INV_FREQ: dict = {}  # (head_dim, theta, scaling, device) -> fp32 inv_freq, built once
+
+
+def inv_freq_cached(head_dim: int, theta: float, scaling: Yarn | None, device) -> torch.Tensor:
+    """The inverse frequencies of ``cos_sin``, computed once per (head_dim, theta, scaling,
+    device) by the same ops as on every call (a constant: the same tensor, the same bits), so
+    each layer's RoPE launches no inv_freq kernels. The rollout warms it when a layer is built
+    (``patches.rope.check_built``), outside any CUDA-graph capture."""
+    key = (int(head_dim), float(theta), scaling, torch.device(device))
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        inv = (inv_freq(head_dim, theta, device) if scaling is None
+               else yarn_inv_freq(head_dim, theta, scaling, device))
+        _INV_FREQ[key] = inv
+    return inv
+
+
 def cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: Yarn | None = None):
     """positions [T] (int) -> (cos, sin), each fp32 [T, head_dim/2]; ``scaling`` None (default
     RoPE) or ``Yarn`` (``rope_scaling(config.rope_parameters)``)."""
-    dev = positions.device
-    inv = inv_freq(head_dim, theta, dev) if scaling is None else yarn_inv_freq(head_dim, theta, scaling, dev)
+    inv = inv_freq_cached(head_dim, theta, scaling, positions.device)
     f = positions.float()[:, None] * inv[None, :]
     cos, sin = f.cos(), f.sin()
     if scaling is not None and scaling.attention_factor != 1.0:  # x 1.0 is exact: skipped

@@ -50,9 +50,13 @@ def rope_of(emb):
 def check_built(emb, config) -> None:
     """At model build: ``emb`` is a supported class and, with the model ``config`` at hand, its
     parameters equal the config's under transformers' rules (``kernels.rope.rope_scaling``)."""
-    from true_on_policy.kernels.rope import rope_scaling
+    import torch
+    from true_on_policy.kernels.rope import inv_freq_cached, rope_scaling
 
     mine = rope_of(emb)
+    cache = getattr(emb, "cos_sin_cache", None)
+    if isinstance(cache, torch.Tensor) and cache.device.type == "cuda":  # built on its GPU: warm, outside capture
+        inv_freq_cached(emb.head_size, float(emb.base), mine, cache.device)
     if config is None:
         return
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}

@@ -182,3 +182,26 @@ def test_patched_trainer_runs_yarn():
     d = (lp - stock).abs()
     assert d.mean() < 0.005, d.mean()  # stock transformers runs YaRN too (cos/sin rounded to bf16)
     assert (lp - lp_plain).abs().mean() > 10 * d.mean()  # and plain RoPE is a different model
+
+
+def test_inv_freq_is_built_once_per_config_with_the_same_bits(monkeypatch):
+    """cos_sin takes its inv_freq from a cache keyed by (head_dim, theta, scaling, device): built
+    by the same ops the first time, reused after (no per-layer inv_freq kernels), never shared
+    between configs."""
+    import true_on_policy.kernels.rope as rope
+
+    y = Yarn(4.0, 64)
+    pos = torch.arange(0, 5000, 7)
+    fresh = {None: rope.inv_freq(64, 1e6), y: rope.yarn_inv_freq(64, 1e6, y)}
+    monkeypatch.setattr(rope, "_INV_FREQ", {})
+    calls = []
+    real = rope.inv_freq
+    monkeypatch.setattr(rope, "inv_freq", lambda *a: calls.append(a) or real(*a))
+    for scaling in (None, y):
+        first = rope.cos_sin(pos, 64, 1e6, scaling)
+        again = rope.cos_sin(pos[:10], 64, 1e6, scaling)
+        assert torch.equal(rope.inv_freq_cached(64, 1e6, scaling, "cpu"), fresh[scaling])
+        assert torch.equal(again[0], first[0][:10]) and torch.equal(again[1], first[1][:10])
+    assert len(calls) == 1  # default RoPE built its inv_freq once, for both calls
+    assert not torch.equal(rope.inv_freq_cached(64, 1e4, None, "cpu"), fresh[None])  # another theta, another entry
+    assert len(rope._INV_FREQ) == 3
