@@ -154,8 +154,9 @@ def inv_freq_cached(head_dim: int, theta: float, scaling: Yarn | None, device) -
     key = (int(head_dim), float(theta), scaling, torch.device(device))
     inv = _INV_FREQ.get(key)
     if inv is None:
-        inv = (inv_freq(head_dim, theta, device) if scaling is None
-               else yarn_inv_freq(head_dim, theta, scaling, device))
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any later mode
+            inv = (inv_freq(head_dim, theta, device) if scaling is None
+                   else yarn_inv_freq(head_dim, theta, scaling, device))
         _INV_FREQ[key] = inv
     return inv
 

@@ -205,3 +205,17 @@ def test_inv_freq_is_built_once_per_config_with_the_same_bits(monkeypatch):
     assert len(calls) == 1  # default RoPE built its inv_freq once, for both calls
     assert not torch.equal(rope.inv_freq_cached(64, 1e4, None, "cpu"), fresh[None])  # another theta, another entry
     assert len(rope._INV_FREQ) == 3
+
+
+def test_cached_inv_freq_first_built_in_inference_mode_serves_autograd(monkeypatch):
+    import true_on_policy.kernels.rope as rope
+
+    monkeypatch.setattr(rope, "_INV_FREQ", {})
+    pos = torch.arange(6)
+    with torch.inference_mode():
+        c0, _ = rope.cos_sin(pos, 64, 1e6)
+    x = torch.randn(6, 2, 64, requires_grad=True)
+    c, s = rope.cos_sin(pos, 64, 1e6)
+    rope.apply_rope_reference(x, c, s).float().sum().backward()  # would fail on an inference tensor saved
+    assert x.grad is not None and torch.equal(c, c0)
+    assert not rope.inv_freq_cached(64, 1e6, None, "cpu").is_inference()
