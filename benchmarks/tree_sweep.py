@@ -71,7 +71,8 @@ def run(tokens, gemms=("down", "gate_up")):
         rows, be, _, own = align(ids, 0, E)
         x = (torch.randn(t, H, device="cuda", generator=g)).bfloat16()
         h = (torch.randn(rows.shape[0], INTER, device="cuda", generator=g)).bfloat16()
-        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        used = (be >= 0).repeat_interleave(mm.ALIGN)  # rows of used blocks; others are undefined
+        real = {"down": used & (own >= 0), "gate_up": used & (rows >= 0)}
         n_touched = int(torch.unique(ids).numel())
         for gemm in gemms:
             if gemm == "down":
@@ -105,7 +106,7 @@ def run(tokens, gemms=("down", "gate_up")):
                 except Exception as e:  # noqa: BLE001  (a candidate that does not compile or fit is reported)
                     print(f"| {gemm} | {t} | {_tag(name, cfg)} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
                     continue
-                got = out[real if gemm == "down" else (be >= 0).repeat_interleave(mm.ALIGN) & (rows >= 0)].clone()
+                got = out[real[gemm]].clone()
                 ref = got if ref is None else ref
                 same = bool(torch.equal(got, ref))
                 tag = _tag(name, cfg)

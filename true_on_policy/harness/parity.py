@@ -76,16 +76,18 @@ def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: f
     else:
         raise ValueError(f"unknown mode {mode!r}; use stock or tpo")
     try:
-        params = [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
-                   "sampling_seed": seed * 100_003 + i} for i in range(len(prompts))]
-        outs = [sampled(o) for o in engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)]
+        def params(first: int, n: int) -> list[dict]:  # request r of the run gets seed seed * 100003 + r
+            return [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
+                     "sampling_seed": seed * 100_003 + first + i} for i in range(n)]
+
+        outs = [sampled(o) for o in engine.generate(input_ids=prompts, sampling_params=params(0, len(prompts)),
+                                                    return_logprob=True)]
         radix = None
         if followups:
             extra = make_prompts(followups, 256, seed + extend_seed, 16, 16)
             second = [prompts[i] + outs[i][0] + extra[i] for i in range(followups)]
-            params = [{"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True,
-                       "sampling_seed": seed * 100_003 + len(prompts) + i} for i in range(followups)]
-            raw = engine.generate(input_ids=second, sampling_params=params, return_logprob=True)
+            raw = engine.generate(input_ids=second, sampling_params=params(len(prompts), followups),
+                                  return_logprob=True)
             radix = {"prompts": second, "cached_tokens": [int(o["meta_info"].get("cached_tokens", 0)) for o in raw]}
             outs += [sampled(o) for o in raw]
         return outs, manifests(), kwargs, radix
