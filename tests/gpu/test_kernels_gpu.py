@@ -307,3 +307,76 @@ def test_token_logprobs(gpu_evidence):
         _same(finish(st, token_z(logits, tok, temperatures(0.7, len(tok), 'cuda'))), lp, f"vocab TP={t}")
     gpu_evidence.append({"test": "token_logprobs_vocab151936", "max_abs_vs_f64": err, "batch_invariant_counts": COUNTS,
                          "vocab_tp_simulated": [2, 4, 8]})
+
+
+SEG_TILES = {"decode16": dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+             "k32": dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
+             "wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)}
+
+
+@pytest.mark.parametrize("tiles", sorted(SEG_TILES))
+@pytest.mark.parametrize("rows,n_out,k,segments", [(1, 2048, 768, 8), (257, 2048, 768, 8), (4097, 2048, 768, 8),
+                                                   (64, 2048, 384, 4), (33, 2048, 4096, 8), (300, 136, 1536, 8),
+                                                   (65, 512, 192, 2), (65, 512, 96, 1)])
+def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
+    """``seg_tree`` (segments as the pipelined loop, a segment in BK chunks plus a tail, the tree
+    folded by selects) computes ROW_FLAT's bits, plain and expert-grouped, for every tile set."""
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.seg_tree as st
+    from true_on_policy.kernels.moe import align
+
+    cfg = SEG_TILES[tiles]
+    if not st.fits(k // segments, cfg["BK"]):
+        pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
+    g = _gen(rows + k + segments)
+    x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
+    we = _randn(g, 4, n_out, k, scale=0.02)
+    ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
+    table, be, _, _ = align(ids, 0, 4)
+    real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
+    flat = mm._launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows,
+                      segments, mm.ROW_FLAT)
+    seg = st.launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows, segments,
+                    cfg)
+    _same(seg, flat, f"plain {tiles} rows={rows} K={k} S={segments}")
+    per = mm.ALIGN // cfg["BLOCK_M"]
+    bexp = be[:, None].expand(-1, per).reshape(-1).contiguous()
+    gflat = mm.grouped_matmul(x, we, table, be, torch.float32, segments, tree=True)
+    gseg = st.launch(x, we, torch.empty_like(gflat), table, bexp, table.shape[0], segments, cfg)
+    _same(gseg[real], gflat[real], f"grouped {tiles} rows={rows} K={k} S={segments}")
+    gpu_evidence.append({"test": f"seg_tree_{tiles}_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
+
+
+GT_TILES = {"m16": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+            "m64": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+            "m128k64": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+            "m64k128": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)}
+
+
+@pytest.mark.parametrize("tiles", sorted(GT_TILES))
+def test_grouped_tma_equals_column(tiles, gpu_evidence):
+    """The gate/up grouped GEMM with weights fetched by TMA computes COLUMN's bits (the pointer
+    kernel), at decode and prefill token counts, with an N that is not a multiple of the tile."""
+    import true_on_policy.kernels.grouped_tma as gt
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    cfg = GT_TILES[tiles]
+    g = _gen(13)
+    for n_out, k in ((1536, 2048), (200, 640)):
+        w13 = _randn(g, 128, n_out, k, scale=0.03)
+        for t in (1, 64, 256, 4096):
+            x = _randn(g, t, k)
+            ids = torch.rand(t, 128, device="cuda", generator=g).argsort(dim=1)[:, :8].int()
+            rows, be, _, _ = align(ids, 0, 128)
+            real = (be >= 0).repeat_interleave(mm.ALIGN) & (rows >= 0)
+            ref = mm._launch(x, w13, torch.empty(rows.shape[0], n_out, dtype=torch.bfloat16, device="cuda"), rows,
+                             be, rows.shape[0], 1, mm.COLUMN)
+            per = mm.ALIGN // cfg["BLOCK_M"]
+            bexp = be[:, None].expand(-1, per).reshape(-1).contiguous()
+            assert gt.usable(x, w13)
+            got = gt.launch(x, w13, torch.empty_like(ref), rows, bexp, rows.shape[0], cfg)
+            _same(got[real], ref[real], f"grouped TMA {tiles} N={n_out} K={k} tokens={t}")
+    gpu_evidence.append({"test": f"grouped_tma_{tiles}_eq_column", "tiles": cfg, "tokens": [1, 64, 256, 4096],
+                         "bitwise": True})

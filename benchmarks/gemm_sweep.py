@@ -1,0 +1,198 @@
+"""Kernel forms and tiles for every GEMM of a Qwen3-30B-A3B layer: time of each candidate and
+whether it computes the bits of the form the rollout runs today (speed decides only among
+candidates with the same bits).
+
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
+        [--gemms down gate_up o_proj qkv router] [--out X.json]
+
+Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
+experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
+
+- down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
+  (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop).
+- gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: weights by TMA
+  (``grouped_tma``), other pointer tiles.
+- o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
+  (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
+- qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
+  tiles; candidates: other TMA tiles.
+
+Each row: median ms of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), the weight
+bytes read over that time (the touched experts' for the MoE; GB/s against the H200's ~4.3
+TB/s), and ``torch.equal`` with the reference on every real row. A candidate that fails to
+compile or launch is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+E, K_TOP, H, INTER, QKV, O_IN = 128, 8, 2048, 768, 5120, 4096
+
+SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
+       dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+       dict(BLOCK_M=16, BLOCK_N=128, BK=64, num_warps=4, num_stages=3),
+       dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+       dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3),
+       dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+       dict(BLOCK_M=64, BLOCK_N=64, BK=32, num_warps=4, num_stages=4),
+       dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
+       dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
+       dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2)]
+UP_TMA = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+          dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+          dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+          dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+          dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)]
+DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
+
+
+def _tag(form, cfg):
+    keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
+    extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
+    return f"{form} " + "x".join(str(cfg[k]) for k in keys) + f" w{cfg['num_warps']} s{cfg['num_stages']}{extra}"
+
+
+def _time(fn):
+    fn()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+
+
+def _cases(gemm, t, g, w, mm, moe):
+    """(reference, [candidates]) for one GEMM at t tokens; each a (name, cfg, fn -> out, mask)."""
+    import true_on_policy.kernels.grouped_tma as gt
+    import true_on_policy.kernels.seg_tree as st
+    from true_on_policy.kernels.tree_reduce import row_linear
+
+    if gemm in ("down", "gate_up"):
+        ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
+        rows, be, _, own = moe.align(ids, 0, E)
+        used = (be >= 0).repeat_interleave(mm.ALIGN)
+
+        def bexp(bm):
+            per = mm.ALIGN // bm
+            return be[:, None].expand(-1, per).reshape(-1).contiguous() if per > 1 else be
+        touched = int(torch.unique(ids).numel())
+    if gemm == "down":
+        h = torch.randn(rows.shape[0], INTER, device="cuda", generator=g).bfloat16()
+        mask, n = used & (own >= 0), H
+
+        def ref():
+            return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True)
+
+        def seg(cfg):
+            out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
+            b = bexp(cfg["BLOCK_M"])
+            return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
+        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(INTER // 8, c["BK"])]
+        return ref, cands, mask, touched * H * INTER * 2
+    if gemm == "gate_up":
+        x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+        mask, n = used & (rows >= 0), 2 * INTER
+
+        def ref():
+            return mm.grouped_matmul(x, w["w13"], rows, be)
+
+        def tma(cfg):
+            out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16, device="cuda")
+            b = bexp(cfg["BLOCK_M"])
+            return lambda: gt.launch(x, w["w13"], out, rows, b, rows.shape[0], cfg)
+        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * INTER * H * 2
+    if gemm == "o_proj":
+        x = torch.randn(t, O_IN, device="cuda", generator=g).bfloat16()
+
+        def ref():
+            return row_linear(x, w["o"])
+
+        def seg(cfg):
+            out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
+            return lambda: st.launch(x, w["o"], out, None, None, t, 8, cfg)
+        return ref, [("seg_tree", c, seg(c)) for c in SEG if st.fits(O_IN // 8, c["BK"])], None, H * O_IN * 2
+    n = QKV if gemm == "qkv" else E
+    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+    wt = w["qkv"] if gemm == "qkv" else w["router"]
+
+    def ref():
+        return mm.matmul(x, wt)
+
+    def tma(cfg):
+        out = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
+        return lambda: mm._launch_tma(x, wt, out, cfg)
+    return ref, [("tma", c, tma(c)) for c in DENSE], None, n * H * 2
+
+
+def run(tokens, gemms):
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.moe as moe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = {"w2": (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.03).bfloat16(),
+         "w13": (torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.03).bfloat16(),
+         "o": (torch.randn(H, O_IN, device="cuda", generator=g) * 0.02).bfloat16(),
+         "qkv": (torch.randn(QKV, H, device="cuda", generator=g) * 0.02).bfloat16(),
+         "router": (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()}
+    out_rows = []
+    print("| gemm | tokens | form / tiles | ms | GB/s of weights | bits == reference |\n|---|---:|---|---:|---:|---|",
+          flush=True)
+    for gemm in gemms:
+        for t in tokens:
+            ref_fn, cands, mask, wbytes = _cases(gemm, t, g, w, mm, moe)
+            ref = ref_fn()
+            ref = ref[mask] if mask is not None else ref
+            for name, cfg, fn in [("reference", {}, ref_fn)] + cands:
+                try:
+                    ms = _time(fn)
+                    got = fn()
+                    got = got[mask] if mask is not None else got
+                    same = bool(torch.equal(got, ref))
+                except Exception as e:  # noqa: BLE001  (reported, not fatal)
+                    print(f"| {gemm} | {t} | {_tag(name, cfg) if cfg else name} | failed: {type(e).__name__}: "
+                          f"{str(e)[:90]} | | |", flush=True)
+                    continue
+                tag = _tag(name, cfg) if cfg else "reference"
+                print(f"| {gemm} | {t} | {tag} | {ms:.4f} | {wbytes / ms / 1e6:.0f} | {same} |", flush=True)
+                out_rows.append({"gemm": gemm, "tokens": t, "form": tag, "ms": ms, "weight_gbps": wbytes / ms / 1e6,
+                                 "same_bits": same})
+            torch.cuda.empty_cache()
+    best = {}
+    for r in out_rows:
+        if r["same_bits"]:
+            k = (r["gemm"], r["tokens"])
+            if k not in best or r["ms"] < best[k]["ms"]:
+                best[k] = r
+    print("\nfastest with the reference's bits:")
+    for (gemm, t), r in sorted(best.items()):
+        refms = next(x["ms"] for x in out_rows if x["gemm"] == gemm and x["tokens"] == t and x["form"] == "reference")
+        print(f"  {gemm:8s} {t:5d}  {r['form']:38s} {r['ms']:.4f} ms  (reference {refms:.4f})")
+    return out_rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
+    ap.add_argument("--gemms", nargs="+", choices=("down", "gate_up", "o_proj", "qkv", "router"),
+                    default=["down", "gate_up", "o_proj", "qkv", "router"])
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    from true_on_policy.harness.provenance import provenance, write_evidence
+
+    prov = provenance(None if argv is None else ["python", "benchmarks/gemm_sweep.py", *argv])
+    rows = run(a.tokens, a.gemms)
+    if a.out:
+        write_evidence(a.out, {"rows": rows}, prov)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The segment-tree GEMM with the segments as its pipelined loop (o_proj, the MoE down projection).
+
+Math (``matmul.matmul_reference`` with ``segments = S``): K is cut into S equal segments of
+SEG = K / S; segment s is its own fp32 GEMM from zero, y_s = sum_{k in s} x[i, k] * W[j, k]; the
+partials are added in the pairwise tree ((y0+y1)+(y2+y3))+((y4+y5)+(y6+y7)); one rounding.
+
+Form: one program per (BLOCK_M, BLOCK_N) tile loops over the S segments (an ``scf.for`` that
+Triton software-pipelines: segment s + 1's operands load while segment s multiplies). A segment
+is NCH chunks of BK columns plus an optional tail of BKT columns (SEG = NCH * BK + BKT; e.g. 96 =
+64 + 32 for Qwen3-30B-A3B's 768 / 8), multiplied in that order into one fp32 accumulator from
+zero -- the same 16-wide MMA steps from the segment's first column upward as ``_tree_dot_flat``'s
+32-wide chunks, so the same bits (GPU tier: ``test_seg_tree_equals_flat``). The tree is folded
+like a binary counter, without branches: after segment s,
+    s % 2 == 0: p1 = y_s;   s % 4 == 1: p2 = p1 + y_s;   s % 8 == 3: p4 = p2 + (p1 + y_s);
+    s % 8 == 7: p8 = p4 + (p2 + (p1 + y_s))
+and the root is p_S. Invariance: row i depends only on row i of x (or of the gathered rows) and
+on W; the tiles are constants (never chosen by the token count; ``M`` is not specialised).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk, acc,
+           WIDTH: tl.constexpr, DOT_F32: tl.constexpr):
+    ks = k0 + tl.arange(0, WIDTH)
+    a = tl.load(A + a_rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
+    b = tl.load(B + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=col_ok[None, :], other=0.0)
+    if DOT_F32:  # interpreter: exact fp64 products and sums, rounded once per segment (below)
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64))
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                     stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
+                     BKT: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        expert = tl.load(BLOCK_EXPERT + pid_m)
+        if expert < 0:
+            return
+        if tl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
+            return
+        B += expert.to(tl.int64) * stride_be
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if HAS_IDX:
+        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
+        row_ok = row_ok & (a_rows >= 0)
+        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SEGMENTS):
+        k0 = s * SEG
+        if DOT_F32:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in tl.static_range(NCH):
+            acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn, stride_bk,
+                         acc, BK, DOT_F32)
+        if BKT > 0:
+            acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
+                         stride_bk, acc, BKT, DOT_F32)
+        acc = acc.to(tl.float32)
+        v1 = p1 + acc
+        v2 = p2 + v1
+        v3 = p4 + v2
+        p8 = tl.where(s % 8 == 7, v3, p8)
+        p4 = tl.where(s % 8 == 3, v2, p4)
+        p2 = tl.where(s % 4 == 1, v1, p2)
+        p1 = tl.where(s % 2 == 0, acc, p1)
+    if SEGMENTS == 1:
+        root = p1
+    elif SEGMENTS == 2:
+        root = p2
+    elif SEGMENTS == 4:
+        root = p4
+    else:
+        root = p8
+    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
+             mask=(out_rows < M)[:, None] & col_ok[None, :])
+
+
+def chunks_of(seg: int, bk: int) -> tuple[int, int]:
+    """(NCH, BKT) with seg = NCH * bk + BKT, BKT 0 or a power of two >= 16 below bk; ValueError
+    when ``seg`` has no such split (the caller then uses another form)."""
+    nch, tail = divmod(seg, bk)
+    if tail and (tail < 16 or tail & (tail - 1)):
+        raise ValueError(f"seg_tree: segment {seg} is not {bk} x n + a power-of-two tail >= 16")
+    return nch, tail
+
+
+def fits(seg: int, bk: int) -> bool:
+    try:
+        chunks_of(seg, bk)
+    except ValueError:
+        return False
+    return seg > 0
+
+
+def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
+    """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
+    ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages."""
+    n, k = w.shape[-2], w.shape[-1]
+    seg = k // segments
+    nch, tail = chunks_of(seg, cfg["BK"])
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    if rows and n:
+        _seg_tree_kernel[grid](
+            x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
+            rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
+            out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,
+            SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail,
+            DOT_F32=dot_f32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
