@@ -4,7 +4,7 @@ alternated pass by pass in one run.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob] [--out X.json]
+        [--variants stock deterministic tpo tpo_no_logprob] [--one-engine --mem 0.85 --passes 2] [--out X.json]
 
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
@@ -14,7 +14,16 @@ largest captured decode batch); each is warmed up with the whole workload; then 
 variant runs before pass r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
 once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
 counts completion tokens over wall time. The table gives every pass, the median and the ratio to
-stock's median. "deterministic" separates what SGLang's deterministic mode costs (which the
+stock's median.
+
+``--one-engine`` is for models too large for all variants to share the GPU (the 48-layer
+30B-A3B: 57 GB of weights each): one engine at a time holds the GPU with ``--mem`` of it
+(mem_fraction_static, the same for every variant), the way a user serves it. Round r starts
+each variant in turn, warms it up with the whole workload, times ``--passes`` passes, and shuts
+it down (waiting until the GPU's memory is free again) before the next variant starts; rounds
+repeat ``--repeats`` times, so the variants still alternate through the run.
+
+"deterministic" separates what SGLang's deterministic mode costs (which the
 contract requires) from what the overlay adds; "tpo_no_logprob" shows the cost of log-probs.
 """
 
@@ -139,9 +148,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
+    p.add_argument("--one-engine", action="store_true", help="one engine on the GPU at a time (see the docstring)")
+    p.add_argument("--passes", type=int, default=2, help="--one-engine: timed passes per engine start")
     p.add_argument("--out")
     p.add_argument("--serve", help=argparse.SUPPRESS)
-    p.add_argument("--mem", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--mem", type=float, default=0.85, help="--one-engine: mem_fraction_static of every engine")
     a = p.parse_args(argv)
     if a.serve:
         serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem)
@@ -153,7 +164,7 @@ def main(argv=None) -> int:
     model_path = a.model_path or tiny_model.ensure(a.geometry)
     weights_gb = sum(os.path.getsize(os.path.join(model_path, f)) for f in os.listdir(model_path)
                      if f.endswith(".safetensors")) / 2**30
-    variants, passes, mems = [], {v: [] for v in a.variants}, {}
+    variants, passes, mems, engines = [], {v: [] for v in a.variants}, {}, {}
 
     def report(done: int) -> None:
         """Table and evidence of the passes so far (written after every round, so a run cut short
@@ -174,14 +185,19 @@ def main(argv=None) -> int:
             write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
                                    "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
                                    "repeats": a.repeats, "rounds_done": done, "complete": done == a.repeats,
-                                   "kv_gb": a.kv_gb, "mem_fraction_static": mems, "alternated": True,
-                                   "engines": {var.name: var.engine for var in variants},
-                                   "rows": rows}, prov)
+                                   "kv_gb": None if a.one_engine else a.kv_gb, "mem_fraction_static": mems,
+                                   "alternated": True, "one_engine_at_a_time": a.one_engine,
+                                   "passes_per_start": a.passes if a.one_engine else None,
+                                   "engines": engines, "rows": rows}, prov)
 
+    if a.one_engine:
+        _one_engine_rounds(a, model_path, passes, mems, engines, report)
+        return 0
     try:
         for v in a.variants:
             mems[v] = round(min(0.9, (weights_gb + a.kv_gb) / _free_gb()), 4)  # budget = f * free - weights
             variants.append(_Variant(v, a, model_path, mems[v]))
+            engines[v] = variants[-1].engine
         for var in variants:
             var.ask("warm")
         for r in range(a.repeats):
@@ -192,6 +208,33 @@ def main(argv=None) -> int:
         for var in variants:
             var.close()
     return 0
+
+
+def _wait_gpu_free(total_gb: float, timeout_s: float = 120.0) -> None:
+    """Until the GPU's memory is free again (the last engine's processes gone), or raise."""
+    t0 = time.time()
+    while _free_gb() < 0.95 * total_gb:
+        if time.time() - t0 > timeout_s:
+            raise RuntimeError(f"GPU memory not released {timeout_s:.0f} s after an engine shut down "
+                               f"({_free_gb():.1f} of {total_gb:.1f} GiB free)")
+        time.sleep(1.0)
+
+
+def _one_engine_rounds(a, model_path, passes, mems, engines, report) -> None:
+    total = _free_gb()
+    for r in range(a.repeats):
+        for v in a.variants:
+            mems[v] = a.mem
+            var = _Variant(v, a, model_path, a.mem)
+            try:
+                engines[v] = var.engine
+                var.ask("warm")
+                for i in range(a.passes):
+                    passes[v].append(var.ask(f"pass {r * a.passes + i}"))
+            finally:
+                var.close()
+            _wait_gpu_free(total)
+        report(r + 1)
 
 
 if __name__ == "__main__":

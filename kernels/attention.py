@@ -229,7 +229,7 @@ def _sm_count(index: int) -> int:
 
 
 def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None,
-              max_kv_len: int | None = None, seq_lens=None):
+              max_kv_len: int | None = None, seq_lens=None, out=None):
     """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D] (D 64 or 128; query head h reads KV head
     h // G, G = Hq / Hkv an integer <= 64: a TP rank passes its own heads, SGLang's replicated KV
     head included); kv_index [B, L] (int32/int64 rows of
@@ -246,7 +246,9 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     in a split launch a sequence longer than it comes out NaN, never silently short. A split
     launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32, and splits only
     while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token bound (D 128, 132 SMs),
-    2.3 GB x G/8 for a 262144-token one (SGLang passes its context length)."""
+    2.3 GB x G/8 for a 262144-token one (SGLang passes its context length).
+    ``out`` (optional, q's shape and dtype, unit last stride): written in place and returned
+    (the caller's own output buffer: no copy)."""
     tq, hq, d = q.shape
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
@@ -258,7 +260,10 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     if decode and (max_q_len != 1 or seq_lens.shape[0] > tq):
         raise ValueError("attention: the decode form (seq_lens) takes one query per sequence, max_q_len=1")
     g = hq // hkv
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} with unit last stride")
     b = kv_index.shape[0] if kv_rows is None else kv_rows.shape[0]
     b = seq_lens.shape[0] if decode else b
     tiles = triton.cdiv(max_q_len, BLOCK_M // g)

@@ -39,6 +39,16 @@ ROW_FLAT = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N
 # test_grouped_up_tiles_equal_column). Sweep: 0.207 / 0.212 / 0.665 ms at 64 / 256 / 4096 tokens,
 # against COLUMN's 0.237 / 0.242 / 0.562.
 GROUPED_UP = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+# GROUPED_UP_TMA: the same GEMM with the weights fetched by TMA (``kernels/grouped_tma.py``, Hopper+),
+# COLUMN's bits (GPU tier: test_grouped_tma_equals_column). benchmarks/gemm_sweep.py
+# (evidence/bench-gemm-sweep.json): 0.021 / 0.205 / 0.209 / 0.600 ms at 1 / 64 / 256 / 4096 tokens
+# against GROUPED_UP's 0.025 / 0.208 / 0.213 / 0.667.
+GROUPED_UP_TMA = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+# ROW_SEG: the grouped tree GEMM (the MoE down projection) with the segments as the pipelined loop
+# (``kernels/seg_tree.py``: a segment in BK chunks plus a tail, the tree folded by selects), ROW_FLAT's
+# bits (GPU tier: test_seg_tree_equals_flat). Sweep: 0.021 / 0.124 / 0.131 / 0.773 ms at 1 / 64 / 256
+# / 4096 tokens against ROW_FLAT's 0.039 / 0.165 / 0.169 / 0.931.
+ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
 # fp32 dot is numpy BLAS, whose summation order depends on a row's place in the tile. Under
@@ -216,8 +226,11 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # on any element).
 # Tiles per role, chosen by the caller (never by the token count): the plain GEMMs, and lm_head
 # (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
+# router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep:
+# 0.005 / 0.005 / 0.005 / 0.007 ms at 1 / 64 / 256 / 4096 tokens against "plain"'s 0.011-0.012).
 TMA = {"plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-       "lm_head": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)}
+       "lm_head": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+       "router": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
 GROUP_M = 8
 
 
@@ -315,6 +328,7 @@ def _check(x, w, name):
 
 
 FLAT_TREE = True  # tree GEMMs take ROW_FLAT where it applies (benchmarks and the GPU tier compare both)
+GROUPED_SEG = True  # grouped tree GEMMs take ROW_SEG where the segment splits into its chunks
 
 
 def _tiles(segments: int, tree: bool | None, k: int = 0) -> dict:
@@ -329,8 +343,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     """Launcher: x [M, K], w [N, K] -> [M, N] in ``out_dtype`` (default x.dtype; fp32 keeps the
     unrounded accumulator). Tree GEMMs (``tree=True``, default when ``segments > 1``) use the
     ROW tiles whatever their local segment count, so a TP=8 rank's single segment is computed
-    exactly like one of TP=1's eight. ``role`` ("plain" or "lm_head") picks the TMA tiles of a
-    plain GEMM; every tile computes the same bits (GPU tier), the role only sets the speed."""
+    exactly like one of TP=1's eight. ``role`` ("plain", "lm_head" or "router") picks the TMA tiles
+    of a plain GEMM; every tile computes the same bits (GPU tier), the role only sets the speed."""
     _check(x, w, "matmul")
     if w.dim() != 2:
         raise ValueError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
@@ -355,14 +369,23 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     and w[expert]: never on how many rows its expert (or any other) received.
     """
     _check(x, w, "grouped_matmul")
-    cfg = _tiles(segments, tree, x.shape[1])
-    if cfg is COLUMN and (not GROUPED_UP.get("FLAT") or x.shape[1] % GROUPED_UP["BLOCK_K"] == 0):
-        cfg = GROUPED_UP
+    from true_on_policy.kernels import grouped_tma, seg_tree
+
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
         raise ValueError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
+    out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
+    k = x.shape[1]
+    cfg = _tiles(segments, tree, k)
+    if cfg is COLUMN:
+        cfg = GROUPED_UP_TMA if grouped_tma.usable(x, w) else GROUPED_UP
+    elif GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"]):
+        cfg = ROW_SEG  # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
     per = ALIGN // cfg["BLOCK_M"]
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
-    out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
+    if cfg is GROUPED_UP_TMA:
+        return grouped_tma.launch(x, w, out, rows, block_expert, rows.shape[0], cfg)
+    if cfg is ROW_SEG:
+        return seg_tree.launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
 

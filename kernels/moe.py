@@ -25,8 +25,8 @@ import triton.language as tl
 from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
 from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree, rank_in, sum_exact
 
-HBLOCK = 1024  # combine: one token per program, hidden in fixed chunks (no dependence on T)
-IBLOCK = 1024  # silu*up: one row per program, intermediate in fixed chunks
+HBLOCK = 1024  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
+IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 1024  # align: slots scanned in fixed chunks (the table does not depend on it)
 
 
@@ -126,10 +126,15 @@ def _route_kernel(LOGITS, W_OUT, ID_OUT, stride_l, E, K: tl.constexpr, KP: tl.co
 
 @triton.jit
 def _silu_mul_kernel(GU, OUT, ROWS, stride_g, stride_o, I, HAS_ROWS: tl.constexpr, IBLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if HAS_ROWS:  # padding rows of the expert table: never read, not computed
-        if tl.load(ROWS + row) < 0:
+    """Program i computes table row ROWS[i] (the expert table's real rows: one program per routed
+    slot, none for padding; -1 = a slot of another rank's expert, skipped), or row i without
+    ROWS. Elementwise: a row's bits never depend on which program computes it."""
+    if HAS_ROWS:
+        row = tl.load(ROWS + tl.program_id(0)).to(tl.int64)
+        if row < 0:
             return
+    else:
+        row = tl.program_id(0).to(tl.int64)
     for start in range(0, I, IBLOCK):
         cols = start + tl.arange(0, IBLOCK)
         m = cols < I
@@ -141,18 +146,19 @@ def _silu_mul_kernel(GU, OUT, ROWS, stride_g, stride_o, I, HAS_ROWS: tl.constexp
 
 @triton.jit
 def _combine_kernel(E_OUT, POS, W, Y, stride_e, stride_y, H, K: tl.constexpr, HBLOCK: tl.constexpr):
+    """Program (t, c): token t, hidden columns [c * HBLOCK, (c + 1) * HBLOCK). Each element sums
+    its k slots in slot order; the column split changes no element."""
     t = tl.program_id(0).to(tl.int64)
-    for start in range(0, H, HBLOCK):
-        cols = start + tl.arange(0, HBLOCK)
-        m = cols < H
-        acc = tl.zeros([HBLOCK], dtype=tl.float32)
-        for j in tl.static_range(K):
-            p = tl.load(POS + t * K + j).to(tl.int64)
-            wj = tl.load(W + t * K + j)
-            e = tl.load(E_OUT + p * stride_e + cols, mask=m, other=0.0)
-            prod = wj * e
-            acc = acc + prod
-        tl.store(Y + t * stride_y + cols, acc.to(Y.dtype.element_ty), mask=m)
+    cols = tl.program_id(1) * HBLOCK + tl.arange(0, HBLOCK)
+    m = cols < H
+    acc = tl.zeros([HBLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(POS + t * K + j).to(tl.int64)
+        wj = tl.load(W + t * K + j)
+        e = tl.load(E_OUT + p * stride_e + cols, mask=m, other=0.0)
+        prod = wj * e
+        acc = acc + prod
+    tl.store(Y + t * stride_y + cols, acc.to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -221,12 +227,14 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool = True):
 
 
 def silu_mul(gate_up: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 silu(gate) * up per row; with ``rows`` (an expert table), rows marked -1 are skipped
-    (left undefined)."""
+    """bf16 silu(gate) * up per row; with ``rows`` (``align``'s ``pos``: the table row of every
+    routed slot, -1 for another rank's expert) only those rows are computed, one program each;
+    the others (padding) are left undefined."""
     p, two_i = gate_up.shape
     out = torch.empty(p, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
-    if p:
-        _silu_mul_kernel[(p,)](gate_up, out, rows if rows is not None else gate_up, gate_up.stride(0), out.stride(0),
+    n = rows.shape[0] if rows is not None else p
+    if n:
+        _silu_mul_kernel[(n,)](gate_up, out, rows if rows is not None else gate_up, gate_up.stride(0), out.stride(0),
                                two_i // 2, HAS_ROWS=rows is not None, IBLOCK=IBLOCK)
     return out
 
@@ -234,10 +242,11 @@ def silu_mul(gate_up: torch.Tensor, rows: torch.Tensor | None = None) -> torch.T
 def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * e_out[pos[t, j]] in fp32, slot order, one rounding."""
     t, k = w.shape
-    y = torch.empty(t, e_out.shape[1], dtype=out_dtype, device=e_out.device)
+    h = e_out.shape[1]
+    y = torch.empty(t, h, dtype=out_dtype, device=e_out.device)
     if t:
-        _combine_kernel[(t,)](e_out, pos.to(torch.int32).contiguous(), w.contiguous(), y, e_out.stride(0),
-                              y.stride(0), e_out.shape[1], K=k, HBLOCK=HBLOCK)
+        _combine_kernel[(t, triton.cdiv(h, HBLOCK))](e_out, pos.contiguous(), w.contiguous(), y, e_out.stride(0),
+                                                     y.stride(0), h, K=k, HBLOCK=HBLOCK)
     return y
 
 
@@ -281,12 +290,12 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.T
     """fp32 [T*k, H] slot-major outputs of this rank's experts (their subtree roots when the
     intermediate dim is sharded); zero in the slots of experts owned elsewhere."""
     rows, block_expert, pos, own = align(ids, first_expert, w13.shape[0])
-    e_sorted = _expert_sorted(x, rows, own, block_expert, w13, w2, segments)
+    e_sorted = _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments)
     return torch.where((pos >= 0)[:, None], e_sorted[pos.clamp(min=0)], 0.0)
 
 
-def _expert_sorted(x, rows, own, block_expert, w13, w2, segments):
-    h = silu_mul(grouped_matmul(x, w13, rows, block_expert), own)
+def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments):
+    h = silu_mul(grouped_matmul(x, w13, rows, block_expert), pos)
     return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=True)
 
 
@@ -299,10 +308,11 @@ def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=Non
     if e_local * ep != e_total:
         raise ValueError(f"moe: {e_local} local experts x EP {ep} != {e_total} router experts")
     segments = _segments_for(_world(tp_group), w2.shape[2])
-    w, ids = route(matmul(x, router_w), top_k, norm_topk)
+    w, ids = route(matmul(x, router_w, role="router"), top_k, norm_topk)
     if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
         rows, block_expert, pos, own = align(ids, 0, e_local)
-        return combine(_expert_sorted(x, rows, own, block_expert, w13, w2, segments), pos.view(-1, top_k), w, x.dtype)
+        return combine(_expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments), pos.view(-1, top_k), w,
+                       x.dtype)
     first = rank_in(ep_group) * e_local
     e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments), tp_group)
     e = sum_exact(e, ep_group)  # each slot is non-zero on exactly one EP rank

@@ -56,6 +56,45 @@ def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_
         tl.store(OUT + row * stride_o + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype), mask=mask)
 
 
+@triton.jit
+def _rmsnorm_heads_kernel(X, W, OUT, stride_t, H, HEADS, eps, BLOCK: tl.constexpr):
+    """``_rmsnorm_kernel`` without residual, row (t, h) read at X + t * stride_t + h * H: the
+    same per-row code (BLOCK-wide masked chunks, one fp32 sum), only the row's address differs."""
+    pid = tl.program_id(0)
+    t = (pid // HEADS).to(tl.int64)
+    base = X + t * stride_t + (pid % HEADS) * H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        s = tl.load(base + cols, mask=mask, other=0.0)
+        sf = s.to(tl.float32)
+        acc += sf * sf
+    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < H
+        s = tl.load(base + cols, mask=mask, other=0.0)
+        n = (s.to(tl.float32) * inv).to(s.dtype)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(OUT + pid.to(tl.int64) * H + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype), mask=mask)
+
+
+def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, heads * D] with unit last stride and any row stride (a view into a fused qkv
+    output) -> contiguous [T * heads, D]: ``rmsnorm(x.reshape(-1, D), weight, eps)`` bit for bit
+    (GPU tier: test_rmsnorm_heads_equals_rows), without copying x first."""
+    d = weight.shape[0]
+    if x.dim() != 2 or x.shape[1] % d or x.stride(-1) != 1 or weight.dtype != x.dtype:
+        raise ValueError(f"rmsnorm_heads: x must be [T, heads * {d}] ({weight.dtype}) with unit last stride, "
+                         f"got {tuple(x.shape)} {x.dtype}")
+    heads = x.shape[1] // d
+    out = torch.empty(x.shape[0] * heads, d, dtype=x.dtype, device=x.device)
+    if out.shape[0]:
+        _rmsnorm_heads_kernel[(out.shape[0],)](x, weight, out, x.stride(0), d, heads, eps, BLOCK=BLOCK)
+    return out
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Launcher: validates, allocates, one program per row. Same return as the reference."""
     if x.dim() != 2 or x.shape[-1] != weight.shape[0] or x.stride(-1) != 1:

@@ -59,11 +59,14 @@ def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len,
     rows = forward_batch.req_pool_indices
     # req_to_token's width bounds every sequence's length: lets a small batch split its KV
     # segments over programs (same bits, kernels/attention.py)
+    direct = o.is_contiguous()  # SGLang's own buffers are: the kernel writes into o, no copy
     out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], hkv, d), v_buf.view(v_buf.shape[0], hkv, d),
                     backend.req_to_token, q_start, q_len, q_pos0, max_q_len, layer.scaling,
                     kv_rows=rows if seq_lens is None else rows[:seq_lens.shape[0]],
-                    max_kv_len=backend.req_to_token.shape[1], seq_lens=seq_lens)
-    o.view(-1, hq, d).copy_(out)
+                    max_kv_len=backend.req_to_token.shape[1], seq_lens=seq_lens,
+                    out=o.view(-1, hq, d) if direct else None)
+    if not direct:
+        o.copy_(out.reshape(o.shape))
     return o
 
 

@@ -27,6 +27,7 @@ from true_on_policy.patching import PatchError, after, replacing, wrap
 
 ATTENTION_INIT = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__"
 MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal"
+QK_NORM = "sglang.srt.models.qwen3_moe.apply_qk_norm"
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")
 
 
@@ -43,6 +44,17 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
     from true_on_policy.patches.rope import check_built
 
     check_built(self.rotary_emb, getattr(self, "config", None))  # class and parameters (YaRN) as the trainer's
+
+
+def tpo_apply_qk_norm(q, k, q_norm, k_norm, head_dim, alt_stream=None, allow_inplace=True):
+    from true_on_policy.kernels.rmsnorm import rmsnorm_heads
+
+    for name, t, norm in (("q", q, q_norm), ("k", k, k_norm)):
+        if t.dim() != 2 or tuple(norm.weight.shape) != (head_dim,) or getattr(norm, "variance_size_override", None):
+            raise PatchError(f"{QK_NORM}: {name} {tuple(t.shape)} with a norm of weight {tuple(norm.weight.shape)} "
+                             f"is not the contract's per-head QK-norm (head_dim {head_dim})")
+    return (rmsnorm_heads(q, q_norm.weight, q_norm.variance_epsilon).view(q.shape),
+            rmsnorm_heads(k, k_norm.weight, k_norm.variance_epsilon).view(k.shape))
 
 
 def tpo_moe_forward_normal(self, hidden_states):
@@ -68,8 +80,10 @@ def tpo_moe_forward_normal(self, hidden_states):
 
 
 def apply(policy) -> PatchRecord:
-    reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal))]
+    reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
+            wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     return PatchRecord.of("qwen3_moe", reps,
                           [f"per attention instance: {', '.join(_FLAGS)} = False; RoPE binding asserted",
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
-                           "MoE-TP tree roots gathered, EP slot outputs summed exactly)"])
+                           "MoE-TP tree roots gathered, EP slot outputs summed exactly)",
+                           "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"])

@@ -8,6 +8,13 @@ We replace ``forward_native`` on the class before the model is built; the Qwen3-
 hook (patches/qwen3_moe.py) asserts every layer's rotary embedding is bound to it and calls
 ``check_built``.
 
+cos/sin are built once per forward pass: the first layer's call builds them from the
+positions tensor and later layers given the same tensor reuse them (a position's values never
+depend on the call: the same bits, five fewer kernels per layer). The table lives for one
+forward only: it is dropped when ``Qwen3MoeForCausalLM.forward`` (or its split-prefill form) starts,
+so a positions tensor of an earlier step is never matched. Under CUDA-graph capture the first
+layer's kernels are captured, and every replay rebuilds the table before the layers read it.
+
 Scaled rotary classes inherit ``forward_native``, so the replacement reads the instance's own
 parameters: ``RotaryEmbedding`` is default RoPE, ``YaRNScalingRotaryEmbedding`` is YaRN (factor,
 original max positions, beta_fast/slow, truncate, its mscale), every other subclass (linear,
@@ -20,9 +27,29 @@ ignores) is refused when the model is built.
 from __future__ import annotations
 
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, replacing, wrap
+from true_on_policy.patching import PatchError, before, replacing, wrap
 
 FORWARD_NATIVE = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
+MODEL_FORWARDS = ("sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM.forward",
+                  "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM.forward_split_prefill")
+_TABLE: dict = {}  # id(rotary embedding) -> (positions, its data_ptr, cos, sin) of the forward in progress
+
+
+def _forward_starts(*args, **kwargs) -> None:
+    _TABLE.clear()
+
+
+def _cos_sin_of_forward(emb, positions, scaling):
+    """The forward's cos/sin for ``positions`` (built on the first call, reused while the same
+    positions tensor comes back within the forward)."""
+    from true_on_policy.kernels.rope import cos_sin
+
+    hit = _TABLE.get(id(emb))
+    if hit is not None and hit[0] is positions and hit[1] == positions.data_ptr():
+        return hit[2], hit[3]
+    cos, sin = cos_sin(positions.reshape(-1), emb.head_size, float(emb.base), scaling)
+    _TABLE[id(emb)] = (positions, positions.data_ptr(), cos, sin)
+    return cos, sin
 
 
 def rope_of(emb):
@@ -72,21 +99,21 @@ def check_built(emb, config) -> None:
 
 
 def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
-    from true_on_policy.kernels.rope import apply_rope, cos_sin
+    from true_on_policy.kernels.rope import apply_rope
 
     if fused_set_kv_buffer_arg is not None or offsets is not None:
         raise PatchError(f"{FORWARD_NATIVE}: fused K/V write and offsets are not in the contract")
     scaling = rope_of(self)
-    pos = positions.reshape(-1)
-    n, d = pos.shape[0], self.head_size
-    cos, sin = cos_sin(pos, d, float(self.base), scaling)
+    n, d = positions.numel(), self.head_size
+    cos, sin = _cos_sin_of_forward(self, positions, scaling)
     q = apply_rope(query.reshape(n, -1, d).contiguous(), cos, sin).view(query.shape)
     k = apply_rope(key.reshape(n, -1, d).contiguous(), cos, sin).view(key.shape)
     return q, k
 
 
 def apply(policy) -> PatchRecord:
-    rep = wrap(FORWARD_NATIVE, replacing(tpo_rope))
-    return PatchRecord.of("rope", [rep],
+    reps = [wrap(FORWARD_NATIVE, replacing(tpo_rope))] + [wrap(t, before(_forward_starts)) for t in MODEL_FORWARDS]
+    return PatchRecord.of("rope", reps,
                           ["fp32 cos/sin from positions (kernels.rope.cos_sin; YaRN from the instance's parameters), "
-                           "fp32 apply, one rounding; other rotary classes refused"])
+                           "built once per forward (dropped when Qwen3MoeForCausalLM.forward starts), fp32 apply, one "
+                           "rounding; other rotary classes refused"])

@@ -24,7 +24,7 @@ from typing import Any
 
 MARKER = "__true_on_policy_patch__"
 IMPL = "__true_on_policy_impl__"  # on a wrapper: the function that does the work (its name is reported)
-KIND = "__true_on_policy_kind__"  # on a wrapper: "replace" or "after"; a custom make's function is "wrap"
+KIND = "__true_on_policy_kind__"  # on a wrapper: "replace", "before" or "after"; a custom make's function is "wrap"
 SUPPORTED_SGLANG = "0.5.17"
 
 
@@ -149,7 +149,8 @@ def status(target: str, replacement: str | None = None) -> dict:
 def describe(s: dict) -> str:
     """One readable line for a ``status`` record."""
     if s["installed"]:
-        how = {"after": "runs after the original", "replace": "replaces it"}.get(s["kind"], "wraps the original")
+        how = {"after": "runs after the original", "before": "runs before the original",
+               "replace": "replaces it"}.get(s["kind"], "wraps the original")
         return f"{s['target']}: {s['original']} -> {s['replacement']} ({how})"
     return f"{s['target']}: NOT PATCHED, {s['found']} in place (replacement {s['replacement']} not installed)"
 
@@ -164,6 +165,19 @@ def after(hook: Callable) -> Callable[[Callable], Callable]:
             return result
 
         return _named(wrapper, hook, "after")
+
+    return make
+
+
+def before(hook: Callable) -> Callable[[Callable], Callable]:
+    """``make`` for wrap(): call ``hook(*args, **kwargs)``, then the original (its result is returned)."""
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            hook(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return _named(wrapper, hook, "before")
 
     return make
 
@@ -184,7 +198,7 @@ def replacing(impl: Callable) -> Callable[[Callable], Callable]:
 def _named(wrapper: Callable, impl: Callable, kind: str) -> Callable:
     """The wrapper takes the name of the function doing the work (tracebacks, manifests)."""
     wrapper.__module__, wrapper.__name__ = impl.__module__, impl.__name__
-    wrapper.__qualname__ = impl.__qualname__ if kind == "replace" else f"{impl.__qualname__}[after]"
+    wrapper.__qualname__ = impl.__qualname__ if kind == "replace" else f"{impl.__qualname__}[{kind}]"
     setattr(wrapper, IMPL, impl)
     setattr(wrapper, KIND, kind)
     return wrapper

@@ -42,7 +42,7 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 24, lines
+assert len(lines) == len(patching.applied()) == 27, lines
 assert [p.patch for p in m.patches] == ['tp_worker', 'weights', 'layernorm', 'linear', 'communicator', 'rope',
                                         'attention_backend', 'sampler', 'qwen3_moe', 'pipeline', 'cuda_graph']
 assert all(': ' in l and ' -> ' in l for l in lines)
@@ -72,11 +72,11 @@ from true_on_policy.contract.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 24 and all(s['installed'] for s in syms), syms
+assert len(syms) == 27 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
-    assert s['kind'] in ('replace', 'after', 'wrap') and 'found' not in s, s
+    assert s['kind'] in ('replace', 'before', 'after', 'wrap') and 'found' not in s, s
     assert patching.resolve(s['target'])[2].__qualname__ != patching.applied()[s['target']].original.__qualname__
 by_target = {s['target']: s for s in syms}
 assert by_target['sglang.srt.layers.sampler.Sampler.forward']['replacement'] == \\

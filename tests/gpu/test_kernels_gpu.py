@@ -225,6 +225,7 @@ def test_tree_flat_equals_segmented(rows, n_out, k, segments, monkeypatch, gpu_e
     table, be, _, _ = align(ids, 0, 4)
     real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)  # rows of unused blocks are undefined
     outs = {}
+    monkeypatch.setattr(mm, "GROUPED_SEG", False)  # the grouped form under test is ROW_FLAT / ROW
     for flat in (True, False):
         monkeypatch.setattr(mm, "FLAT_TREE", flat)
         assert (mm._tiles(segments, True, k) is mm.ROW_FLAT) == flat
@@ -240,9 +241,11 @@ def test_grouped_up_tiles_equal_column(tiles, monkeypatch, gpu_evidence):
     """The gate/up grouped GEMM computes COLUMN's bits with the configured GROUPED_UP tiles and with
     other candidates of benchmarks/tree_sweep.py (16-, 64-row tiles, BLOCK_K 64 or 128, flat loop),
     at decode and prefill token counts: only the speed depends on the tiles."""
+    import true_on_policy.kernels.grouped_tma as gt
     import true_on_policy.kernels.matmul as mm
     from true_on_policy.kernels.moe import align
 
+    monkeypatch.setattr(gt, "usable", lambda x, w: False)  # the pointer kernel's tiles (TMA: its own test)
     cfg = {"configured": mm.GROUPED_UP,
            "flat16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=5, N_GROUP=4, FLAT=True),
            "plain16k128": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
@@ -309,7 +312,8 @@ def test_token_logprobs(gpu_evidence):
                          "vocab_tp_simulated": [2, 4, 8]})
 
 
-SEG_TILES = {"decode16": dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection runs
+             "decode16": dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "k32": dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
              "wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)}
@@ -326,9 +330,11 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.moe import align
 
-    cfg = SEG_TILES[tiles]
+    cfg = SEG_TILES[tiles] or mm.ROW_SEG
     if not st.fits(k // segments, cfg["BK"]):
         pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
+    if cfg["BLOCK_M"] >= 64 and k // segments > 256:
+        pytest.skip("64/128-row tiles of a 512-wide segment exceed shared memory (not a form the overlay runs)")
     g = _gen(rows + k + segments)
     x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
     we = _randn(g, 4, n_out, k, scale=0.02)
@@ -342,7 +348,10 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     _same(seg, flat, f"plain {tiles} rows={rows} K={k} S={segments}")
     per = mm.ALIGN // cfg["BLOCK_M"]
     bexp = be[:, None].expand(-1, per).reshape(-1).contiguous()
-    gflat = mm.grouped_matmul(x, we, table, be, torch.float32, segments, tree=True)
+    gflat = mm._launch(x, we, torch.empty(table.shape[0], n_out, dtype=torch.float32, device="cuda"), table,
+                       be.repeat_interleave(mm.ALIGN // mm.ROW_FLAT["BLOCK_M"]), table.shape[0], segments, mm.ROW_FLAT)
+    gseg_api = mm.grouped_matmul(x, we, table, be, torch.float32, segments, tree=True)  # what the MoE calls
+    _same(gseg_api[real], gflat[real], f"grouped_matmul rows={rows} K={k} S={segments}")
     gseg = st.launch(x, we, torch.empty_like(gflat), table, bexp, table.shape[0], segments, cfg)
     _same(gseg[real], gflat[real], f"grouped {tiles} rows={rows} K={k} S={segments}")
     gpu_evidence.append({"test": f"seg_tree_{tiles}_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
@@ -380,3 +389,28 @@ def test_grouped_tma_equals_column(tiles, gpu_evidence):
             _same(got[real], ref[real], f"grouped TMA {tiles} N={n_out} K={k} tokens={t}")
     gpu_evidence.append({"test": f"grouped_tma_{tiles}_eq_column", "tiles": cfg, "tokens": [1, 64, 256, 4096],
                          "bitwise": True})
+
+
+def test_row_linear_rounds_like_a_cast(gpu_evidence):
+    """At one rank ``row_linear`` rounds the fp32 root inside the tree kernel; that is torch's
+    fp32 -> bf16 cast of the same root, bit for bit (round to nearest even)."""
+    g = _gen(23)
+    for rows in (1, 256, 4097):
+        x, w = _randn(g, rows, 4096), _randn(g, 2048, 4096, scale=0.02)
+        _same(row_linear(x, w), row_linear(x, w, out_dtype=torch.float32).to(torch.bfloat16), f"rows={rows}")
+    gpu_evidence.append({"test": "row_linear_bf16_eq_fp32_root_cast", "rows": [1, 256, 4097], "bitwise": True})
+
+
+@pytest.mark.parametrize("heads,d", [(32, 128), (4, 128), (6, 64), (1, 128)])
+def test_rmsnorm_heads_equals_rows(heads, d, gpu_evidence):
+    """QK-norm on the strided head views of a fused qkv output == ``rmsnorm`` on the copied
+    [T * heads, D] rows (what SGLang and the trainer run), bit for bit, at every token count."""
+    from true_on_policy.kernels.rmsnorm import rmsnorm_heads
+
+    g = _gen(heads * d)
+    qkv = _randn(g, 4097, (heads + 8) * d)
+    w = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16()
+    for n in COUNTS:
+        q = qkv[:n, :heads * d]  # a strided view, as qkv.split gives
+        _same(rmsnorm_heads(q, w, 1e-6), rmsnorm(q.reshape(-1, d), w, 1e-6), f"heads={heads} d={d} rows={n}")
+    gpu_evidence.append({"test": f"rmsnorm_heads_{heads}x{d}_eq_rows", "counts": COUNTS, "bitwise": True})
