@@ -378,7 +378,8 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     cfg = _tiles(segments, tree, k)
     if cfg is COLUMN:
         cfg = GROUPED_UP_TMA if grouped_tma.usable(x, w) else GROUPED_UP
-    elif GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"]):
+    elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
+          and seg_tree.smem_ok(k // segments, ROW_SEG)):
         cfg = ROW_SEG  # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
     per = ALIGN // cfg["BLOCK_M"]
     if per > 1:

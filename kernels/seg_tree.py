@@ -112,6 +112,15 @@ def fits(seg: int, bk: int) -> bool:
     return seg > 0
 
 
+SMEM_BUDGET = 200 * 1024  # bytes of staged operands per program (the H200 allows 227 KB)
+
+
+def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
+    """Whether ``num_stages`` copies of a whole segment's operands fit: a wider segment (e.g.
+    Coder-480B-A35B's 2560 / 8 = 320) takes another form (``matmul.ROW_FLAT``)."""
+    return cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * seg * elem <= SMEM_BUDGET
+
+
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages."""
