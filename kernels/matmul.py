@@ -41,7 +41,7 @@ ROW_FLAT = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N
 GROUPED_UP = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 # GROUPED_UP_TMA: the same GEMM with the weights fetched by TMA (``kernels/grouped_tma.py``, Hopper+),
 # COLUMN's bits (GPU tier: test_grouped_tma_equals_column). benchmarks/gemm_sweep.py
-# (evidence/bench-gemm-sweep.json): 0.021 / 0.205 / 0.209 / 0.600 ms at 1 / 64 / 256 / 4096 tokens
+# (evidence/bench-layer-gemms.json): 0.021 / 0.205 / 0.209 / 0.600 ms at 1 / 64 / 256 / 4096 tokens
 # against GROUPED_UP's 0.025 / 0.208 / 0.213 / 0.667.
 GROUPED_UP_TMA = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 # ROW_SEG: the grouped tree GEMM (the MoE down projection) with the segments as the pipelined loop
