@@ -10,7 +10,7 @@ hook (patches/qwen3_moe.py) asserts every layer's rotary embedding is bound to i
 
 cos/sin are built once per forward pass: the first layer's call builds them from the
 positions tensor and later layers given the same tensor reuse them (a position's values never
-depend on the call: the same bits, five fewer kernels per layer). The table lives for one
+depend on the call: the same bits; four fewer kernels in every later layer: cast, multiply, cos, sin). The table lives for one
 forward only: it is dropped when ``Qwen3MoeForCausalLM.forward`` (or its split-prefill form) starts,
 so a positions tensor of an earlier step is never matched. Under CUDA-graph capture the first
 layer's kernels are captured, and every replay rebuilds the table before the layers read it.
