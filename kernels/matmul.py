@@ -376,8 +376,10 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
     k = x.shape[1]
     cfg = _tiles(segments, tree, k)
-    if cfg is COLUMN:
-        cfg = GROUPED_UP_TMA if grouped_tma.usable(x, w) else GROUPED_UP
+    if cfg is COLUMN and grouped_tma.usable(x, w):
+        cfg = GROUPED_UP_TMA
+    elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
+        cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
           and seg_tree.smem_ok(k // segments, ROW_SEG)):
         cfg = ROW_SEG  # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
