@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.matmul import INTERPRETED, hopper
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -52,20 +53,15 @@ def _grouped_tma_kernel(A, b_desc, C, A_IDX, BLOCK_EXPERT, M, N, K, stride_am, s
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """TMA needs a Hopper+ GPU, a contiguous [E, N, K] weight with 16-byte aligned rows."""
-    from true_on_policy.kernels.matmul import INTERPRETED
-
-    if INTERPRETED or not x.is_cuda or w.dim() != 3 or not w.is_contiguous():
+    if w.dim() != 3 or not w.is_contiguous() or not hopper(x):
         return False
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return (torch.cuda.get_device_capability(dev)[0] >= 9 and w.data_ptr() % 16 == 0
-            and (w.shape[-1] * w.element_size()) % 16 == 0 and x.stride(-1) == 1)
+    return w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0 and x.stride(-1) == 1
 
 
 def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict):
     """x [T, K]; w [E, N, K] contiguous; rows_idx [P] (token of each table row, -1 padding);
     block_expert [P / BLOCK_M]; out [P, N]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    from true_on_policy.kernels.matmul import INTERPRETED
 
     e, n, k = w.shape
     if rows and n:

@@ -259,14 +259,20 @@ def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.conste
 _HOPPER: dict = {}
 
 
-def _tma_ok(x, w, out) -> bool:
-    """TMA needs Hopper+, 16-byte aligned bases and row strides, unit last strides."""
+def hopper(x) -> bool:
+    """Whether ``x`` lives on a Hopper+ GPU that TMA can serve (never under the interpreter); the
+    capability is read once per device."""
     if INTERPRETED or not x.is_cuda:
         return False
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if dev not in _HOPPER:
         _HOPPER[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
-    if not _HOPPER[dev]:
+    return _HOPPER[dev]
+
+
+def _tma_ok(x, w, out) -> bool:
+    """TMA needs Hopper+, 16-byte aligned bases and row strides, unit last strides."""
+    if not hopper(x):
         return False
     return out.stride(-1) == 1 and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                                        and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
