@@ -181,7 +181,7 @@ def rows_for(t):
     base = (name, lambda: f(x, w, 1e-6)) if f else ("torch (HF order)", lambda: (
         w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()))
     out.append(("rmsnorm", t, lambda: rmsnorm(x, w, 1e-6), *base))
-    for op, n, k, role in (("qkv_proj GEMM", (HQ + 2 * HKV) * D, H, "plain"), ("router GEMM", E, H, "plain"),
+    for op, n, k, role in (("qkv_proj GEMM", (HQ + 2 * HKV) * D, H, "plain"), ("router GEMM", E, H, "router"),
                            ("lm_head GEMM", VOCAB, H, "lm_head")):
         xa, wa = _r(t, k), _r(n, k, scale=0.02)
         out.append((op, t, lambda xa=xa, wa=wa, role=role: matmul(xa, wa, role=role), "cuBLAS (torch.mm)",

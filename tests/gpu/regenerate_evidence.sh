@@ -32,8 +32,8 @@ case $GROUP in
   realshape48)  # the full depth: ≥ 8k-token prompts in a mixed batch, chunked prefill, radix-cache hits
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-a3b48-t1.0.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo \
-      --new-tokens 256 --one-engine --mem 0.85 --repeats 2 --passes 2 --out "$E/throughput-a3b48.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock deterministic tpo \
+      --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --out "$E/profile-a3b48.json" ;;
   largeshapes|all)  # the 235B-A22B and Coder-480B-A35B layer geometries, 2 layers each (~12 and ~34 GB)
     run $P --mode tpo --trainer patched --geometry a22b2 --temperature 1.0 --out "$E/parity-tpo-a22b2-t1.0.json"
