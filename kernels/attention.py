@@ -41,6 +41,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import INTERPRETED
 
 BLOCK_M = 64  # rows of a tile: (query token, query head of the group) pairs; fixed
@@ -212,14 +213,14 @@ HEAD_DIMS = (64, 128)  # the head dims the tiles are built and tested for (every
 def _check_layout(hq: int, hkv: int, d: int) -> None:
     """Refuse a head layout the kernel does not cover, naming what to change."""
     if d not in HEAD_DIMS:
-        raise ValueError(f"attention: head_dim {d} is not supported (the contract's attention kernel covers head_dim "
+        raise KernelLimitError(f"attention: head_dim {d} is not supported (the contract's attention kernel covers head_dim "
                          f"{' and '.join(map(str, HEAD_DIMS))} only); serve this checkpoint without the true-on-policy "
                          "overlay, or use one with head_dim 64 or 128")
     if hkv < 1 or hq % hkv:
-        raise ValueError(f"attention: {hq} query heads cannot be grouped over {hkv} KV heads (Hq must be a "
+        raise KernelLimitError(f"attention: {hq} query heads cannot be grouped over {hkv} KV heads (Hq must be a "
                          "multiple of Hkv); check num_attention_heads / num_key_value_heads and the TP degree")
     if hq // hkv > BLOCK_M:
-        raise ValueError(f"attention: {hq // hkv} query heads per KV head exceed one {BLOCK_M}-row tile; use a TP "
+        raise KernelLimitError(f"attention: {hq // hkv} query heads per KV head exceed one {BLOCK_M}-row tile; use a TP "
                          f"degree that leaves at most {BLOCK_M} query heads per KV head on a rank")
 
 
@@ -253,17 +254,17 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
     if k_buf.shape[1:] != (hkv, d) or v_buf.shape != k_buf.shape or q.dtype != k_buf.dtype:
-        raise ValueError("attention: k_buf and v_buf must be [S, Hkv, D] in q's dtype")
+        raise KernelLimitError("attention: k_buf and v_buf must be [S, Hkv, D] in q's dtype")
     if q.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or kv_index.stride(-1) != 1:
-        raise ValueError("attention: q, k_buf, v_buf and kv_index need a unit last stride")
+        raise KernelLimitError("attention: q, k_buf, v_buf and kv_index need a unit last stride")
     decode = seq_lens is not None
     if decode and (max_q_len != 1 or seq_lens.shape[0] > tq):
-        raise ValueError("attention: the decode form (seq_lens) takes one query per sequence, max_q_len=1")
+        raise KernelLimitError("attention: the decode form (seq_lens) takes one query per sequence, max_q_len=1")
     g = hq // hkv
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} with unit last stride")
+        raise KernelLimitError(f"attention: out must be {tuple(q.shape)} {q.dtype} with unit last stride")
     b = kv_index.shape[0] if kv_rows is None else kv_rows.shape[0]
     b = seq_lens.shape[0] if decode else b
     tiles = triton.cdiv(max_q_len, BLOCK_M // g)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.tree_reduce import _world, gather_stacked, rank_in, sum_exact
 
 VBLOCK = 4096  # fixed chunk of the vocabulary (no autotune; independent of the row count)
@@ -147,7 +148,7 @@ def shard_stats(logits: torch.Tensor, temperature, n_shards: int, shard: int | N
     shard = triton.cdiv(width, n_shards) if shard is None else shard
     valid = width if valid is None else valid
     if not (0 <= valid <= width and valid <= n_shards * shard):
-        raise ValueError(f"token_logprobs: {valid} valid columns do not fit {n_shards} shards of {shard} "
+        raise KernelLimitError(f"token_logprobs: {valid} valid columns do not fit {n_shards} shards of {shard} "
                          f"in a slice of {width}")
     stats = torch.empty(rows, n_shards, 2, dtype=torch.float32, device=logits.device)
     if rows:
@@ -158,14 +159,14 @@ def shard_stats(logits: torch.Tensor, temperature, n_shards: int, shard: int | N
 
 def _check(logits, tokens, temperature, vocab):
     if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"token_logprobs: logits must be [rows, vocab] with unit last stride, got {tuple(logits.shape)}")
+        raise KernelLimitError(f"token_logprobs: logits must be [rows, vocab] with unit last stride, got {tuple(logits.shape)}")
     if tokens.shape != logits.shape[:1]:
-        raise ValueError(f"token_logprobs: tokens must be [{logits.shape[0]}], got {tuple(tokens.shape)}")
+        raise KernelLimitError(f"token_logprobs: tokens must be [{logits.shape[0]}], got {tuple(tokens.shape)}")
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
     if not bool(((t > 0) & torch.isfinite(t)).all()):
-        raise ValueError(f"token_logprobs: temperature must be finite and > 0, got {temperature}")
+        raise KernelLimitError(f"token_logprobs: temperature must be finite and > 0, got {temperature}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise ValueError("token_logprobs: token id out of the vocabulary")
+        raise KernelLimitError("token_logprobs: token id out of the vocabulary")
 
 
 def _layout(width: int, world: int, vocab: int | None) -> tuple[int, int]:
@@ -173,9 +174,9 @@ def _layout(width: int, world: int, vocab: int | None) -> tuple[int, int]:
     vocab = width * world if vocab is None else int(vocab)
     shard = shard_size(vocab)
     if vocab < 1 or (world == 1 and width < vocab):
-        raise ValueError(f"token_logprobs: logits of {width} columns cannot hold a vocabulary of {vocab}")
+        raise KernelLimitError(f"token_logprobs: logits of {width} columns cannot hold a vocabulary of {vocab}")
     if world > 1 and width != (SHARDS // world) * shard:
-        raise ValueError(f"token_logprobs: at vocab-parallel degree {world} each rank must hold {SHARDS // world} "
+        raise KernelLimitError(f"token_logprobs: at vocab-parallel degree {world} each rank must hold {SHARDS // world} "
                          f"whole shards of {shard} columns ({SHARDS // world * shard}: the vocabulary of {vocab} "
                          f"padded to {SHARDS * shard} = 8 * ceil({vocab} / 8) and split evenly), got {width}; pad "
                          f"the lm_head to {SHARDS * shard} rows, or all-gather the logits and slice them to {vocab} "
@@ -193,7 +194,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, 
     ``validate=False`` skips the token-range check (it syncs the device; CUDA graphs need that)."""
     world = _world(group)
     if world not in (1, 2, 4, 8):
-        raise ValueError(f"token_logprobs: vocab-parallel degree must divide {SHARDS}, got {world}")
+        raise KernelLimitError(f"token_logprobs: vocab-parallel degree must divide {SHARDS}, got {world}")
     width = logits.shape[1]
     vocab, shard = _layout(width, world, vocab)
     if validate:

@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 
 # Fixed tiles (no autotune: the per-element instruction sequence must not depend on M).
 # COLUMN: plain GEMMs (qkv, gate_up, router, lm_head). ROW: the segment-tree GEMMs (o_proj,
@@ -61,7 +62,7 @@ def tree_sum(parts):
     """Pairwise tree over a power-of-two list, in list order: ((p0+p1)+(p2+p3))+..."""
     parts = list(parts)
     if len(parts) & (len(parts) - 1):
-        raise ValueError(f"tree_sum: need a power-of-two number of parts, got {len(parts)}")
+        raise KernelLimitError(f"tree_sum: need a power-of-two number of parts, got {len(parts)}")
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
@@ -296,7 +297,7 @@ def _launch_tma(x, w, out, cfg=None):
 def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False):
     n, k = w.shape[-2], w.shape[-1]
     if segments not in (1, 2, 4, 8) or k % segments:
-        raise ValueError(f"matmul: segments must be 1, 2, 4 or 8 and divide K={k}, got {segments}")
+        raise KernelLimitError(f"matmul: segments must be 1, 2, 4 or 8 and divide K={k}, got {segments}")
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"] * cfg.get("N_GROUP", 1)),
             segments if split else 1)
     if rows and n:
@@ -328,9 +329,9 @@ def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None
 
 def _check(x, w, name):
     if x.dim() != 2 or x.shape[1] != w.shape[-1]:
-        raise ValueError(f"{name}: x must be [rows, {w.shape[-1]}], got {tuple(x.shape)}")
+        raise KernelLimitError(f"{name}: x must be [rows, {w.shape[-1]}], got {tuple(x.shape)}")
     if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"{name}: x and W must share a 16-bit float dtype, got {x.dtype} and {w.dtype}")
+        raise KernelLimitError(f"{name}: x and W must share a 16-bit float dtype, got {x.dtype} and {w.dtype}")
 
 
 FLAT_TREE = True  # tree GEMMs take ROW_FLAT where it applies (benchmarks and the GPU tier compare both)
@@ -353,9 +354,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     of a plain GEMM; every tile computes the same bits (GPU tier), the role only sets the speed."""
     _check(x, w, "matmul")
     if w.dim() != 2:
-        raise ValueError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
+        raise KernelLimitError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
     if role not in TMA:
-        raise ValueError(f"matmul: role must be one of {sorted(TMA)}, got {role!r}")
+        raise KernelLimitError(f"matmul: role must be one of {sorted(TMA)}, got {role!r}")
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
@@ -378,7 +379,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     from true_on_policy.kernels import grouped_tma, seg_tree
 
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
-        raise ValueError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
+        raise KernelLimitError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
     out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
     k = x.shape[1]
     cfg = _tiles(segments, tree, k)

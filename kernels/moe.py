@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
 from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree, rank_in, sum_exact
 
@@ -217,7 +218,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool = True):
     """logits [T, E] (bf16) -> (weights fp32 [T, k], expert ids int32 [T, k])."""
     t, e = logits.shape
     if not 0 < top_k <= e or e > 1024:
-        raise ValueError(f"route: need 0 < top_k <= experts <= 1024, got top_k={top_k}, experts={e}")
+        raise KernelLimitError(f"route: need 0 < top_k <= experts <= 1024, got top_k={top_k}, experts={e}")
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t:
@@ -306,7 +307,7 @@ def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=Non
     e_total, e_local = router_w.shape[0], w13.shape[0]
     ep = _world(ep_group)
     if e_local * ep != e_total:
-        raise ValueError(f"moe: {e_local} local experts x EP {ep} != {e_total} router experts")
+        raise KernelLimitError(f"moe: {e_local} local experts x EP {ep} != {e_total} router experts")
     segments = _segments_for(_world(tp_group), w2.shape[2])
     w, ids = route(matmul(x, router_w, role="router"), top_k, norm_topk)
     if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos

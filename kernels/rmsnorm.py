@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 
 BLOCK = 1024  # fixed: the reduction order must not depend on the token count (no autotune)
 
@@ -86,7 +87,7 @@ def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     (GPU tier: test_rmsnorm_heads_equals_rows), without copying x first."""
     d = weight.shape[0]
     if x.dim() != 2 or x.shape[1] % d or x.stride(-1) != 1 or weight.dtype != x.dtype:
-        raise ValueError(f"rmsnorm_heads: x must be [T, heads * {d}] ({weight.dtype}) with unit last stride, "
+        raise KernelLimitError(f"rmsnorm_heads: x must be [T, heads * {d}] ({weight.dtype}) with unit last stride, "
                          f"got {tuple(x.shape)} {x.dtype}")
     heads = x.shape[1] // d
     out = torch.empty(x.shape[0] * heads, d, dtype=x.dtype, device=x.device)
@@ -98,11 +99,11 @@ def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Launcher: validates, allocates, one program per row. Same return as the reference."""
     if x.dim() != 2 or x.shape[-1] != weight.shape[0] or x.stride(-1) != 1:
-        raise ValueError(f"rmsnorm: x must be [rows, {weight.shape[0]}] with unit last stride, got {tuple(x.shape)}")
+        raise KernelLimitError(f"rmsnorm: x must be [rows, {weight.shape[0]}] with unit last stride, got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-        raise ValueError("rmsnorm: residual must match x in shape, dtype and unit last stride")
+        raise KernelLimitError("rmsnorm: residual must match x in shape, dtype and unit last stride")
     if weight.dtype != x.dtype:
-        raise ValueError(f"rmsnorm: weight dtype {weight.dtype} != activation dtype {x.dtype} (contract: bf16 both)")
+        raise KernelLimitError(f"rmsnorm: weight dtype {weight.dtype} != activation dtype {x.dtype} (contract: bf16 both)")
     rows, h = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 
 BLOCK_T = 16  # tokens per program; elementwise, the tile size changes no bit
 ROPE_TYPES = ("default", "yarn")
@@ -63,22 +64,22 @@ def rope_scaling(params: dict | None, max_position_embeddings: int | None = None
     params = dict(params or {})
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in ROPE_TYPES:
-        raise ValueError(f"rope_type {kind!r} is not in the contract (supported: {', '.join(ROPE_TYPES)})")
+        raise KernelLimitError(f"rope_type {kind!r} is not in the contract (supported: {', '.join(ROPE_TYPES)})")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not in the contract (full-width RoPE only)")
+        raise KernelLimitError("partial_rotary_factor != 1 is not in the contract (full-width RoPE only)")
     if kind == "default":
         return None
     foreign = [k for k in ("attn_factor", "extrapolation_factor") if params.get(k, 1) != 1]
     if foreign:
-        raise ValueError(f"yarn {', '.join(foreign)} is read by SGLang but not by transformers (the trainer): "
+        raise KernelLimitError(f"yarn {', '.join(foreign)} is read by SGLang but not by transformers (the trainer): "
                          "drop it, or express it as attention_factor")
     original = params.get("original_max_position_embeddings")
     if not original:
-        raise ValueError("yarn needs original_max_position_embeddings in rope_parameters")
+        raise KernelLimitError("yarn needs original_max_position_embeddings in rope_parameters")
     hf, sgl = _read_yarn(params, max_position_embeddings, original)
     differ = [f for f in Yarn.__dataclass_fields__ if getattr(hf, f) != getattr(sgl, f)]
     if differ:
-        raise ValueError(f"yarn {', '.join(differ)}: transformers reads {[getattr(hf, f) for f in differ]}, SGLang "
+        raise KernelLimitError(f"yarn {', '.join(differ)}: transformers reads {[getattr(hf, f) for f in differ]}, SGLang "
                          f"0.5.17 reads {[getattr(sgl, f) for f in differ]} from {params}; state factor explicitly, "
                          "drop an attention_factor that is not 0.1*ln(factor)+1 (or the mscale ratio), and give "
                          "beta_fast/beta_slow/mscale non-zero values")
@@ -90,7 +91,7 @@ def _read_yarn(params: dict, max_position_embeddings, original) -> tuple[Yarn, Y
     ``YaRNScalingRotaryEmbedding`` reading) of a yarn dict, float64 as both compute it."""
     factor = params.get("factor")
     if factor is None and not max_position_embeddings:
-        raise ValueError("yarn without factor needs max_position_embeddings")
+        raise KernelLimitError("yarn without factor needs max_position_embeddings")
     hf_factor = factor if factor is not None else max_position_embeddings / original
     sgl_factor = float("nan") if factor is None and "factor" in params else factor if "factor" in params else 1.0
     m, m_all = params.get("mscale"), params.get("mscale_all_dim")
@@ -203,9 +204,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Launcher: x [T, H, D] (unit last stride; D a power of two), cos/sin fp32 [T, D/2]."""
     t, h, d = x.shape
     if d & (d - 1) or x.stride(-1) != 1:
-        raise ValueError(f"apply_rope: x must be [T, H, D] with D a power of two and unit last stride, got {tuple(x.shape)}")
+        raise KernelLimitError(f"apply_rope: x must be [T, H, D] with D a power of two and unit last stride, got {tuple(x.shape)}")
     if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
-        raise ValueError(f"apply_rope: cos/sin must be fp32 [{t}, {d // 2}]")
+        raise KernelLimitError(f"apply_rope: cos/sin must be fp32 [{t}, {d // 2}]")
     out = torch.empty_like(x)
     if t and h:
         _rope_kernel[(triton.cdiv(t, BLOCK_T), h)](x, out, cos.contiguous(), sin.contiguous(), t, h, x.stride(0),

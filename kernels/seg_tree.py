@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from true_on_policy.kernels.limits import KernelLimitError
 
 
 @triton.jit
@@ -100,7 +101,7 @@ def chunks_of(seg: int, bk: int) -> tuple[int, int]:
     when ``seg`` has no such split (the caller then uses another form)."""
     nch, tail = divmod(seg, bk)
     if tail and (tail < 16 or tail & (tail - 1)):
-        raise ValueError(f"seg_tree: segment {seg} is not {bk} x n + a power-of-two tail >= 16")
+        raise KernelLimitError(f"seg_tree: segment {seg} is not {bk} x n + a power-of-two tail >= 16")
     return nch, tail
 
 

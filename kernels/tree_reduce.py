@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import INTERPRETED, MAX_SEGMENTS, matmul_reference, split_matmul, tree_sum
 
 VIRTUAL = MAX_SEGMENTS  # the contract's V: supported TP degrees are the divisors of 8
@@ -68,10 +69,10 @@ def sum_exact(x: torch.Tensor, group) -> torch.Tensor:
 
 def _segments_for(world: int, k_local: int) -> int:
     if world not in (1, 2, 4, 8):
-        raise ValueError(f"tree reduction supports TP degrees 1, 2, 4, 8 (divisors of V={VIRTUAL}); got {world}")
+        raise KernelLimitError(f"tree reduction supports TP degrees 1, 2, 4, 8 (divisors of V={VIRTUAL}); got {world}")
     segments = VIRTUAL // world
     if k_local % segments:
-        raise ValueError(f"tree reduction: local K={k_local} must be divisible by {segments} segments")
+        raise KernelLimitError(f"tree reduction: local K={k_local} must be divisible by {segments} segments")
     return segments
 
 
@@ -104,7 +105,7 @@ def row_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group, out_dtype
     """Sequence-parallel form: rank r returns rows [r*M/t, (r+1)*M/t) of ``row_linear``."""
     world = _world(group)
     if x.shape[0] % world:
-        raise ValueError(f"reduce-scatter form: rows {x.shape[0]} must divide by the group size {world}")
+        raise KernelLimitError(f"reduce-scatter form: rows {x.shape[0]} must divide by the group size {world}")
     root = split_matmul(x, w, _segments_for(world, x.shape[1]), torch.float32)
     if world == 1:
         return root.to(out_dtype or x.dtype)

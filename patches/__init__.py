@@ -16,6 +16,7 @@ from true_on_policy.patches import (
     qwen3_moe,
     rope,
     sampler,
+    scheduler_guard,
     tp_worker,
     weights,
 )
@@ -24,7 +25,7 @@ from true_on_policy import env, patching
 from true_on_policy.manifest import Manifest
 
 PATCHES = (tp_worker, weights, layernorm, linear, communicator, rope, attention_backend, sampler, qwen3_moe, pipeline,
-           cuda_graph)
+           cuda_graph, scheduler_guard)
 
 _MANIFEST: Manifest | None = None
 

@@ -44,6 +44,13 @@ CACHE_DIR = EnvVar(
     "where the embedded tiny Qwen3-MoE checkpoint is built (default ~/.cache/true_on_policy)",
 )
 
+TEST_KERNEL_LIMIT = EnvVar(
+    "TRUE_ON_POLICY_TEST_KERNEL_LIMIT",
+    "tests only: makes chosen batches raise a KernelLimitError after their forward, e.g. "
+    "'prefill:77,decode:91:5' (a prompt of 77 tokens at its prefill; one of 91 tokens at its decode with 5 "
+    "tokens out), so the GPU tier can check that the scheduler guard fails that batch and serves on",
+)
+
 GIT_COMMIT = EnvVar(
     "TRUE_ON_POLICY_GIT_COMMIT",
     "commit a copy without .git (sent to a GPU host) claims to be; evidence records it as "

@@ -42,7 +42,8 @@ case $GROUP in
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
   rollout|all) run tier gpu-tier-rollout tests/gpu/test_engine_gpu.py tests/gpu/test_server_gpu.py \
-                 tests/gpu/test_rollout_gpu.py tests/gpu/test_sampling_http_gpu.py tests/gpu/test_sampling_engine_gpu.py ;;&
+                 tests/gpu/test_rollout_gpu.py tests/gpu/test_sampling_http_gpu.py tests/gpu/test_sampling_engine_gpu.py \
+                 tests/gpu/test_guard_gpu.py ;;&
   acceptance|all) run python3 -m true_on_policy.harness.acceptance --folder "$E/acceptance-embedded" --resume \
                     --out "$E/acceptance-embedded.json" ;;&
   bench|all)
