@@ -1,9 +1,10 @@
-"""Kernel forms and tiles for every GEMM of a Qwen3-30B-A3B layer: time of each candidate and
-whether it computes the bits of the form the rollout runs today (speed decides only among
-candidates with the same bits).
+"""Kernel forms and tiles for every GEMM of a Qwen3-30B-A3B layer, and for the two glue kernels
+the prefill profile names (QK-norm, the MoE combine): time of each candidate and whether it
+computes the bits of the form the rollout runs today (speed decides only among candidates with
+the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
-        [--gemms down gate_up o_proj qkv router] [--out X.json]
+        [--gemms down gate_up o_proj qkv router qk_norm combine] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
@@ -16,10 +17,17 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
   tiles; candidates: other TMA tiles.
+- down and o_proj also try ``seg_tree``'s peeled candidate (``PEELED``: the last segment out of
+  the loop, one live fp32 tile fewer), meant for the larger tiles.
+- qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row; reference one
+  head-row per program; candidates: several head-rows per program (``rows_per_program``).
+- combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference 1024 columns per program;
+  candidates: narrower programs (``hblock``).
 
 Each row: median ms of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), the weight
-bytes read over that time (the touched experts' for the MoE; GB/s against the H200's ~4.3
-TB/s), and ``torch.equal`` with the reference on every real row. A candidate that fails to
+bytes read over that time (the touched experts' for the MoE; for the glue kernels the bytes they
+read and write; GB/s against the H200's ~4.3 TB/s), and ``torch.equal`` with the reference on
+every real row. A candidate that fails to
 compile or launch is reported, not fatal.
 """
 
@@ -30,7 +38,7 @@ import argparse
 import torch
 import triton
 
-E, K_TOP, H, INTER, QKV, O_IN = 128, 8, 2048, 768, 5120, 4096
+E, K_TOP, H, INTER, QKV, O_IN, HQ, D = 128, 8, 2048, 768, 5120, 4096, 32, 128
 
 SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
@@ -56,11 +64,17 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
+PEELED = [dict(c, PEELED=True) for c in SEG if c["BLOCK_M"] >= 32]  # seg_tree's peeled candidate
+QK_ROWS = [2, 4, 8, 16]  # rmsnorm_heads: head-rows per program
+HBLOCKS = [128, 256, 512]  # combine: columns per program
 
 
 def _tag(form, cfg):
+    if "rows" in cfg or "hblock" in cfg:
+        return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
+    extra += " peeled" if cfg.get("PEELED") else ""
     return f"{form} " + "x".join(str(cfg[k]) for k in keys) + f" w{cfg['num_warps']} s{cfg['num_stages']}{extra}"
 
 
@@ -96,7 +110,7 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(INTER // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG + PEELED if st.fits(INTER // 8, c["BK"])]
         return ref, cands, mask, touched * H * INTER * 2
     if gemm == "gate_up":
         x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
@@ -119,7 +133,24 @@ def _cases(gemm, t, g, w, mm, moe):
         def seg(cfg):
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: st.launch(x, w["o"], out, None, None, t, 8, cfg)
-        return ref, [("seg_tree", c, seg(c)) for c in SEG if st.fits(O_IN // 8, c["BK"])], None, H * O_IN * 2
+        return ref, [("seg_tree", c, seg(c)) for c in SEG + PEELED if st.fits(O_IN // 8, c["BK"])], None, H * O_IN * 2
+    if gemm == "qk_norm":
+        from true_on_policy.kernels.rmsnorm import rmsnorm_heads
+
+        fused = torch.randn(t, QKV, device="cuda", generator=g).bfloat16()
+        q = fused[:, :HQ * D]  # a strided view, as the rollout normalises it
+        wn = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).bfloat16()
+        cands = [("rmsnorm_heads", {"rows": r}, lambda r=r: rmsnorm_heads(q, wn, 1e-6, rows_per_program=r))
+                 for r in QK_ROWS]
+        return lambda: rmsnorm_heads(q, wn, 1e-6), cands, None, 2 * t * HQ * D * 2
+    if gemm == "combine":
+        ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
+        rows, be, pos, own = moe.align(ids, 0, E)
+        e_out = torch.randn(rows.shape[0], H, device="cuda", generator=g)  # fp32: the down tree's output
+        wts = torch.rand(t, K_TOP, device="cuda", generator=g)
+        p2 = pos.view(t, K_TOP)
+        cands = [("combine", {"hblock": hb}, lambda hb=hb: moe.combine(e_out, p2, wts, hblock=hb)) for hb in HBLOCKS]
+        return lambda: moe.combine(e_out, p2, wts), cands, None, t * K_TOP * H * 4 + t * H * 2
     n = QKV if gemm == "qkv" else E
     x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
     wt = w["qkv"] if gemm == "qkv" else w["router"]
@@ -182,8 +213,8 @@ def run(tokens, gemms):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
-    ap.add_argument("--gemms", nargs="+", choices=("down", "gate_up", "o_proj", "qkv", "router"),
-                    default=["down", "gate_up", "o_proj", "qkv", "router"])
+    ap.add_argument("--gemms", nargs="+", choices=("down", "gate_up", "o_proj", "qkv", "router", "qk_norm", "combine"),
+                    default=["down", "gate_up", "o_proj", "qkv", "router", "qk_norm", "combine"])
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence

@@ -240,14 +240,17 @@ def silu_mul(gate_up: torch.Tensor, rows: torch.Tensor | None = None) -> torch.T
     return out
 
 
-def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """y[t] = sum_j w[t, j] * e_out[pos[t, j]] in fp32, slot order, one rounding."""
+def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16,
+            hblock: int = HBLOCK) -> torch.Tensor:
+    """y[t] = sum_j w[t, j] * e_out[pos[t, j]] in fp32, slot order, one rounding. ``hblock``: the
+    columns per program (elementwise, so any width computes the same bits; ``benchmarks/gemm_sweep.py``
+    times the candidates and checks their bits)."""
     t, k = w.shape
     h = e_out.shape[1]
     y = torch.empty(t, h, dtype=out_dtype, device=e_out.device)
     if t:
-        _combine_kernel[(t, triton.cdiv(h, HBLOCK))](e_out, pos.contiguous(), w.contiguous(), y, e_out.stride(0),
-                                                     y.stride(0), h, K=k, HBLOCK=HBLOCK)
+        _combine_kernel[(t, triton.cdiv(h, hblock))](e_out, pos.contiguous(), w.contiguous(), y, e_out.stride(0),
+                                                     y.stride(0), h, K=k, HBLOCK=hblock)
     return y
 
 

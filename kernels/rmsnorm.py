@@ -81,17 +81,50 @@ def _rmsnorm_heads_kernel(X, W, OUT, stride_t, H, HEADS, eps, BLOCK: tl.constexp
         tl.store(OUT + pid.to(tl.int64) * H + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype), mask=mask)
 
 
-def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+@triton.jit
+def _rmsnorm_heads_rows_kernel(X, W, OUT, stride_t, H, HEADS, N_ROWS, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """A candidate (``rows_per_program`` > 1): ROWS head-rows per program, each by
+    ``_rmsnorm_heads_kernel``'s per-row code unchanged (the same BLOCK-wide chunks and fp32 sum),
+    so the same bits by construction; fewer programs for the 131,072 head-rows of a 4096-token
+    prefill (benchmarks/gemm_sweep.py times it and checks its bits)."""
+    for r in tl.static_range(ROWS):
+        pid = tl.program_id(0) * ROWS + r
+        if pid < N_ROWS:
+            t = (pid // HEADS).to(tl.int64)
+            base = X + t * stride_t + (pid % HEADS) * H
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, H, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < H
+                s = tl.load(base + cols, mask=mask, other=0.0)
+                sf = s.to(tl.float32)
+                acc += sf * sf
+            inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+            for start in range(0, H, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < H
+                s = tl.load(base + cols, mask=mask, other=0.0)
+                n = (s.to(tl.float32) * inv).to(s.dtype)
+                w = tl.load(W + cols, mask=mask, other=0.0)
+                tl.store(OUT + pid.to(tl.int64) * H + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype),
+                         mask=mask)
+
+
+def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, rows_per_program: int = 1) -> torch.Tensor:
     """x [T, heads * D] with unit last stride and any row stride (a view into a fused qkv
     output) -> contiguous [T * heads, D]: ``rmsnorm(x.reshape(-1, D), weight, eps)`` bit for bit
-    (GPU tier: test_rmsnorm_heads_equals_rows), without copying x first."""
+    (GPU tier: test_rmsnorm_heads_equals_rows), without copying x first. ``rows_per_program`` > 1
+    runs the candidate ``_rmsnorm_heads_rows_kernel`` (not the default: not yet measured on a GPU)."""
     d = weight.shape[0]
     if x.dim() != 2 or x.shape[1] % d or x.stride(-1) != 1 or weight.dtype != x.dtype:
         raise KernelLimitError(f"rmsnorm_heads: x must be [T, heads * {d}] ({weight.dtype}) with unit last stride, "
                          f"got {tuple(x.shape)} {x.dtype}")
     heads = x.shape[1] // d
     out = torch.empty(x.shape[0] * heads, d, dtype=x.dtype, device=x.device)
-    if out.shape[0]:
+    if out.shape[0] and rows_per_program > 1:
+        _rmsnorm_heads_rows_kernel[(triton.cdiv(out.shape[0], rows_per_program),)](
+            x, weight, out, x.stride(0), d, heads, out.shape[0], eps, BLOCK=BLOCK, ROWS=rows_per_program)
+    elif out.shape[0]:
         _rmsnorm_heads_kernel[(out.shape[0],)](x, weight, out, x.stride(0), d, heads, eps, BLOCK=BLOCK)
     return out
 

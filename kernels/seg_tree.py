@@ -96,6 +96,80 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
              mask=(out_rows < M)[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr,
+             DOT_F32: tl.constexpr):
+    """One segment's fp32 partial from zero: NCH chunks of BK columns, then the BKT tail."""
+    if DOT_F32:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in tl.static_range(NCH):
+        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn, stride_bk,
+                     acc, BK, DOT_F32)
+    if BKT > 0:
+        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
+                     stride_bk, acc, BKT, DOT_F32)
+    return acc.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _seg_tree_peeled_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn,
+                            stride_bk, stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
+                            SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+                            NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_seg_tree_kernel`` with its last segment taken out of the loop (a candidate, ``PEELED``):
+    the loop carries p1, p2, p4 and no p8, and the root is the last segment's fold written out,
+        S = 1: y0;  2: p1 + y1;  4: p2 + (p1 + y3);  8: p4 + (p2 + (p1 + y7)),
+    the same additions in the same order as the select fold's last step, so the same bits by
+    construction (interpreted: tests/cpu/interpreted/seg_tree_tma.py; on a GPU:
+    benchmarks/gemm_sweep.py's bits column). One fp32 tile fewer stays live across the loop."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        expert = tl.load(BLOCK_EXPERT + pid_m)
+        if expert < 0:
+            return
+        if tl.load(A_IDX + pid_m * BLOCK_M) < 0:
+            return
+        B += expert.to(tl.int64) * stride_be
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if HAS_IDX:
+        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
+        row_ok = row_ok & (a_rows >= 0)
+        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SEGMENTS - 1):
+        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                       BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+        v1 = p1 + acc
+        v2 = p2 + v1
+        p4 = tl.where(s % 8 == 3, v2, p4)
+        p2 = tl.where(s % 4 == 1, v1, p2)
+        p1 = tl.where(s % 2 == 0, acc, p1)
+    last = _segment(A, B, a_rows, row_ok, cols, col_ok, (SEGMENTS - 1) * SEG, stride_am, stride_ak, stride_bn,
+                    stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    if SEGMENTS == 1:
+        root = last
+    elif SEGMENTS == 2:
+        root = p1 + last
+    elif SEGMENTS == 4:
+        root = p2 + (p1 + last)
+    else:
+        root = p4 + (p2 + (p1 + last))
+    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
+             mask=(out_rows < M)[:, None] & col_ok[None, :])
+
+
 def chunks_of(seg: int, bk: int) -> tuple[int, int]:
     """(NCH, BKT) with seg = NCH * bk + BKT, BKT 0 or a power of two >= 16 below bk; ValueError
     when ``seg`` has no such split (the caller then uses another form)."""
@@ -124,13 +198,15 @@ def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
 
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
-    ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages."""
+    ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages, and
+    ``PEELED`` (optional, default off: the candidate ``_seg_tree_peeled_kernel``)."""
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    kernel = _seg_tree_peeled_kernel if cfg.get("PEELED") else _seg_tree_kernel
     if rows and n:
-        _seg_tree_kernel[grid](
+        kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
             out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,

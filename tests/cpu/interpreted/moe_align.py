@@ -1,6 +1,7 @@
 """Interpreted (TRITON_INTERPRET=1): the two-launch expert table ``align`` equals the stable-argsort
 reference (rows of used blocks, block experts, slot positions), one process and an EP slice,
-including an expert holding more than ALIGN slots, absent experts and no tokens."""
+including an expert holding more than ALIGN slots, absent experts and no tokens; and the combine
+gives the same bits at every column width per program (the candidates gemm_sweep times)."""
 import sys
 
 import torch
@@ -28,4 +29,13 @@ for ids in cases:
         assert torch.equal(rows[used], r_rows[used]), (ids.shape, first, local)
         r_own = torch.where(r_rows >= 0, torch.arange(r_rows.shape[0]), -1)
         assert torch.equal(own[used], r_own[used]), (ids.shape, first, local)
+from true_on_policy.kernels.moe import combine  # noqa: E402
+
+g = torch.Generator().manual_seed(1)
+e_out = torch.randn(40, 300, generator=g)  # fp32, as the down tree writes it
+pos = torch.randint(0, 40, (6, 4), generator=g)
+w = torch.rand(6, 4, generator=g)
+ref = combine(e_out, pos, w)
+for hb in (64, 128, 256, 512):
+    assert torch.equal(combine(e_out, pos, w, hblock=hb), ref), hb
 print("interpreted-ok")
