@@ -53,8 +53,11 @@ class FailedBatch:
 
     delay_sample_func = None  # launch_batch_sample_if_needed reads it
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, discarded=None):
         self.message = message
+        # a result the forward did return (the test fault): kept alive until this one is processed,
+        # as SGLang keeps every result, since the overlap schedule's copy stream may still read it
+        self.discarded = discarded
 
 
 def failed(result) -> bool:
@@ -116,6 +119,7 @@ def fail_batch(scheduler, batch, error: BaseException) -> str:
 
 def _make_run_batch(original, fault: dict):
     def tpo_run_batch(self, batch, *args, **kwargs):
+        result = None
         try:
             result = original(self, batch, *args, **kwargs)
             injected = _injected(fault, batch) if fault["prefill"] or fault["decode"] else None
@@ -125,7 +129,7 @@ def _make_run_batch(original, fault: dict):
         except GUARDED as e:
             if _pp_size(self) > 1:
                 raise
-            return FailedBatch(fail_batch(self, batch, e))
+            return FailedBatch(fail_batch(self, batch, e), result)
 
     return tpo_run_batch
 

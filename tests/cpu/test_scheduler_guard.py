@@ -141,6 +141,7 @@ def test_test_fault_spec_and_injection(released):
     hit = SimpleNamespace(reqs=[_req("a", 10), _req("p", 77)], forward_mode=ForwardMode.EXTEND)
     out = run(s, hit)
     assert g.failed(out) and "test fault: prefill of a 77-token prompt" in out.message
+    assert out.discarded == "result"  # the forward's own result lives until the failed one is processed
     assert all(r.finished() for r in hit.reqs) and len(ran) == 3  # the forward ran first, then the fault
     dec = SimpleNamespace(reqs=[_req("d", 91, n_out=5)], forward_mode=ForwardMode.DECODE)
     assert "decode of a 91-token prompt with 5 tokens out" in run(s, dec).message
