@@ -18,7 +18,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
   tiles; candidates: other TMA tiles.
 - down and o_proj also try ``seg_tree``'s peeled candidate (``PEELED``: the last segment out of
-  the loop, one live fp32 tile fewer), meant for the larger tiles.
+  the loop, one live fp32 tile fewer), meant for the larger tiles; o_proj also tries matmul's
+  ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles.
 - qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row; reference one
   head-row per program; candidates: several head-rows per program (``rows_per_program``).
 - combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference 1024 columns per program;
@@ -65,6 +66,11 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
 PEELED = [dict(c, PEELED=True) for c in SEG if c["BLOCK_M"] >= 32]  # seg_tree's peeled candidate
+FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True)]
 QK_ROWS = [2, 4, 8, 16]  # rmsnorm_heads: head-rows per program
 HBLOCKS = [128, 256, 512]  # combine: columns per program
 
@@ -133,7 +139,11 @@ def _cases(gemm, t, g, w, mm, moe):
         def seg(cfg):
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: st.launch(x, w["o"], out, None, None, t, 8, cfg)
-        return ref, [("seg_tree", c, seg(c)) for c in SEG + PEELED if st.fits(O_IN // 8, c["BK"])], None, H * O_IN * 2
+        def flat(cfg):  # the tree in one pipelined K loop (matmul's ROW_FLAT form), rounded as it stores
+            out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
+            return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
+        cands = [("seg_tree", c, seg(c)) for c in SEG + PEELED if st.fits(O_IN // 8, c["BK"])]
+        return ref, cands + [("row_flat", c, flat(c)) for c in FLAT], None, H * O_IN * 2
     if gemm == "qk_norm":
         from true_on_policy.kernels.rmsnorm import rmsnorm_heads
 
