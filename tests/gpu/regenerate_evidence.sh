@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | bench | rl |
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | bench | sweep | rl |
 #        tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
@@ -51,6 +51,8 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b6 --out "$E/profile-a3b6.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b6 --out "$E/throughput-a3b6.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 --out "$E/trainer-speed-a3b6.json" ;;
+  sweep)  # every GEMM of a layer and the prefill glue kernels: candidates' time and bits against the forms in use
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --out "$E/bench-layer-gemms.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
