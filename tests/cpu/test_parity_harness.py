@@ -74,3 +74,26 @@ def test_cli_takes_long_prompts_radix_and_chunk(monkeypatch, tmp_path):
                  "--chunked-prefill-size", "4096", "--out", str(tmp_path / "p.json")])
     assert (seen["long_prompts"], seen["long_len"], seen["radix_followups"], seen["chunked_prefill_size"]) == \
         (2, 8192, 8, 4096)
+
+
+def test_patched_response_logprobs_equal_each_whole_sequence_slice(tiny_cache):
+    """The harness's trainer side (lm_head only from each batch's shortest prompt on, right-padded
+    batches under a token budget) gives every sequence the bits of its own whole-sequence slice."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from true_on_policy.harness import tiny_model
+    from true_on_policy.trainer import patch_hf_model, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16).eval()
+    patch_hf_model(model)
+    rng = random.Random(0)
+    prompts = [rng.randrange(2, 40) for _ in range(7)]
+    seqs = [[rng.randrange(0, 512) for _ in range(p + rng.randrange(1, 9))] for p in prompts]
+    got = parity.patched_response_logprobs(model, seqs, prompts, 0.7, batch_size=3, max_tokens=90, device="cpu")
+    with torch.no_grad():
+        for s, p, lp in zip(seqs, prompts, got, strict=True):
+            whole = token_logprobs(model, torch.tensor([s]), temperature=0.7)[0]
+            assert lp.shape == (len(s) - p,) and torch.equal(lp, whole[p - 1:]), (len(s), p)

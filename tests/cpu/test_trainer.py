@@ -64,6 +64,37 @@ def test_padding_and_micro_batch_invariance_bitwise(model):
                     assert torch.equal(got[r, :len(s) - 1], alone[i + r]), (mb, i + r)
 
 
+def test_logits_to_keep_is_the_tail_bitwise(model):
+    """``logits_to_keep=n`` runs lm_head on the last n + 1 positions only and returns exactly the
+    last n columns of the full result, untruncated and truncated, padded batch included."""
+    patch_hf_model(model)
+    ids, mask = right_pad(_seqs(8, [40, 25, 33]))
+    with torch.no_grad():
+        full = token_logprobs(model, ids, mask, 0.8)
+        full_trunc = token_logprobs(model, ids, mask, 0.8, top_k=20, top_p=0.9)
+        for n in (1, 7, ids.shape[1] - 1):
+            tail = token_logprobs(model, ids, mask, 0.8, logits_to_keep=n)
+            assert tail.shape == (3, n) and torch.equal(tail, full[:, -n:]), n
+            trunc = token_logprobs(model, ids, mask, 0.8, top_k=20, top_p=0.9, logits_to_keep=n)
+            assert torch.equal(trunc, full_trunc[:, -n:]), n
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    try:
+        with torch.no_grad():
+            token_logprobs(model, ids, mask, logits_to_keep=5)
+    finally:
+        hook.remove()
+    assert seen == [6]  # lm_head saw 6 positions, not 40
+
+
+@pytest.mark.parametrize("keep", [0, 40, True, 2.5, -1])
+def test_logits_to_keep_out_of_range_is_refused(model, keep):
+    patch_hf_model(model)
+    ids = torch.stack(_seqs(9, [40]))
+    with pytest.raises(TrainerPatchError, match=r"logits_to_keep must be an int in \[1, seq - 1 = 39\]"):
+        token_logprobs(model, ids, logits_to_keep=keep)
+
+
 def test_temperature_is_applied(model):
     patch_hf_model(model)
     ids = torch.stack(_seqs(2, [20]))

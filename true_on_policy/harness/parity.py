@@ -109,11 +109,32 @@ def _batches(lengths: list[int], batch_size: int, max_tokens: int) -> list[list[
     return out + ([cur] if cur else [])
 
 
+def patched_response_logprobs(model, sequences, prompt_lens, temperature: float, batch_size: int = 8,
+                              max_tokens: int = 16384, device="cuda") -> list:
+    """Each sequence's log-probs from its prompt on (fp32, one tensor per sequence), by a patched
+    model in right-padded batches, lm_head run only from each batch's shortest prompt on
+    (``token_logprobs(..., logits_to_keep=)``): the same bits as the whole sequence's slice."""
+    import torch
+
+    from true_on_policy.trainer import right_pad, token_logprobs
+
+    out = []
+    with torch.no_grad():
+        for idx in _batches([len(x) for x in sequences], batch_size, max_tokens):
+            ids, mask = right_pad([sequences[i] for i in idx], device)
+            first = min(prompt_lens[i] for i in idx) - 1  # the first log-prob column any row needs
+            lp = token_logprobs(model, ids, mask, temperature, logits_to_keep=ids.shape[1] - 1 - first)
+            for r, i in enumerate(idx):  # lp column j is the full result's column first + j
+                out.append(lp[r, prompt_lens[i] - 1 - first:len(sequences[i]) - 1 - first].cpu())
+    return out
+
+
 def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float, trainer: str = "hf",
                      batch_size: int = 8, max_tokens: int = 16384):
     """Trainer recompute at each sampled token. ``hf``: stock transformers bf16, fp32
     log_softmax(logits / T), one sequence at a time. ``patched``: the same model through
-    ``true_on_policy.trainer`` (the contract's kernels), right-padded batches of ``batch_size``."""
+    ``true_on_policy.trainer`` (the contract's kernels), right-padded batches of ``batch_size``,
+    lm_head run only from the batch's shortest prompt on (``token_logprobs(..., logits_to_keep=)``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -125,15 +146,10 @@ def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float
     info = {"trainer": f"transformers.Qwen3MoeForCausalLM ({trainer})", "dtype": "bfloat16",
             "attn_implementation": model.config._attn_implementation}
     if trainer == "patched":
-        from true_on_policy.trainer import patch_hf_model, right_pad, token_logprobs
+        from true_on_policy.trainer import patch_hf_model
 
         info["trainer_manifest"] = patch_hf_model(model).to_dict()
-        with torch.no_grad():
-            for idx in _batches([len(x) for x in sequences], batch_size, max_tokens):
-                chunk = [sequences[i] for i in idx]
-                lp = token_logprobs(model, *right_pad(chunk, "cuda"), temperature)
-                for r, i in enumerate(idx):
-                    out.append(lp[r, prompt_lens[i] - 1:len(sequences[i]) - 1].cpu())
+        out = patched_response_logprobs(model, sequences, prompt_lens, temperature, batch_size, max_tokens, "cuda")
     elif trainer == "hf":
         with torch.no_grad():
             for ids, p in zip(sequences, prompt_lens, strict=True):

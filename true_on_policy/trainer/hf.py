@@ -199,10 +199,16 @@ def right_pad(seqs, device=None, pad_id: int = 0):
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                   min_p: float | None = None) -> torch.Tensor:
+                   min_p: float | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
     """fp32 [batch, seq-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) under the contract
     (fp32 log-softmax of logits / T over the full vocabulary). Positions past a row's length
     (padding) are computed but meaningless. Gradients flow when the model requires them.
+
+    ``logits_to_keep=n`` (1 <= n <= seq-1): only the last n of those columns, [batch, n], bit for
+    bit ``token_logprobs(...)[:, -n:]`` (every op is row-independent), with lm_head and the
+    log-softmax run on n + 1 positions instead of seq (transformers' ``logits_to_keep``). For a
+    long prompt and a short response that is the difference between fitting and not: the fp32
+    logits of one 131,072-token sequence over Qwen3's 151,936-token vocabulary take 80 GB.
 
     ``top_k`` / ``top_p`` / ``min_p`` (as the rollout sampled with them, e.g. from the model's
     generation_config.json): the log-prob under the truncated, renormalised distribution the
@@ -216,20 +222,26 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if state is None:
         raise TrainerPatchError("token_logprobs needs a patched model: call patch_hf_model(model) first")
     problems = _input_problems(model, input_ids, attention_mask) + _sampling_problems(temperature, top_k, top_p, min_p)
+    seq = int(input_ids.shape[-1]) if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
+    if logits_to_keep is not None and seq is not None and not (
+            isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and 1 <= logits_to_keep < seq):
+        problems.append(f"logits_to_keep must be an int in [1, seq - 1 = {seq - 1}], got {logits_to_keep!r}")
     if problems:
         raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
     if attention_mask is not None:
         _check_right_padded(attention_mask)
     b, s = input_ids.shape
+    n = s - 1 if logits_to_keep is None else logits_to_keep
     pos = torch.arange(s, device=input_ids.device).expand(b, s)
-    logits = model(input_ids=input_ids, position_ids=pos, use_cache=False).logits  # fp32 [B, S, V]
+    kept = {} if logits_to_keep is None else {"logits_to_keep": n + 1}  # the last n + 1 positions
+    logits = model(input_ids=input_ids, position_ids=pos, use_cache=False, **kept).logits  # fp32 [B, n + 1, V]
     ops = state["ops"]
-    rows, toks = logits[:, :-1].reshape(b * (s - 1), -1), input_ids[:, 1:].reshape(-1)
+    rows, toks = logits[:, -(n + 1):-1].reshape(b * n, -1), input_ids[:, s - n:].reshape(-1)
     if top_k is None and top_p is None and min_p is None:
         lp = ops.logprobs(rows, toks, float(temperature))
     else:
         lp = ops.truncated_logprobs(rows, toks, float(temperature), top_k, top_p, min_p)
-    return lp.view(b, s - 1)
+    return lp.view(b, n)
 
 
 def _input_problems(model, input_ids, attention_mask) -> list[str]:
