@@ -36,8 +36,10 @@ case $GROUP in
       --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --out "$E/profile-a3b48.json" ;;
   largeshapes|all)  # the 235B-A22B and Coder-480B-A35B layer geometries, 2 layers each (~12 and ~34 GB)
-    run $P --mode tpo --trainer patched --geometry a22b2 --temperature 1.0 --out "$E/parity-tpo-a22b2-t1.0.json"
-    run $P --mode tpo --trainer patched --geometry a35b2 --temperature 1.0 --out "$E/parity-tpo-a35b2-t1.0.json" ;;&
+    for g in a22b2 a35b2; do  # mixed lengths plus a 4096-token prompt, chunked at 2048, then 8 radix-cache hits
+      run $P --mode tpo --trainer patched --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
+        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$g-t1.0.json"
+    done ;;&
   rl|all) run python3 -m true_on_policy.harness.rl_loop --steps 100 --out "$E/rl-loop-embedded.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
@@ -59,7 +61,8 @@ case $GROUP in
       --tp-size 2 --prompts 16 --new-tokens 32 --cuda-graph-max-bs 16 --out "$E/parity-tpo-tp2-embedded.json"
     for g in a22b2 a35b2; do
       run $P --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 --tp-size 2 --geometry $g \
-        --temperature 1.0 --out "$E/parity-tpo-tp2-$g-t1.0.json"
+        --temperature 1.0 --long-prompts 1 --long-len 4096 --chunked-prefill-size 2048 --radix-followups 8 \
+        --out "$E/parity-tpo-tp2-$g-t1.0.json"
     done ;;
   pp2)
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
