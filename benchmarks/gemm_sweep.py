@@ -1,10 +1,10 @@
-"""Kernel forms and tiles for every GEMM of a Qwen3-30B-A3B layer, and for the two glue kernels
-the prefill profile names (QK-norm, the MoE combine): time of each candidate and whether it
+"""Kernel forms and tiles for every GEMM of a Qwen3-30B-A3B layer, and for the glue kernels the
+prefill profile names (QK-norm, the MoE table and combine): time of each candidate and whether it
 computes the bits of the form the rollout runs today (speed decides only among candidates with
 the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
-        [--gemms down gate_up o_proj qkv router qk_norm combine] [--out X.json]
+        [--gemms down gate_up o_proj qkv router qk_norm align combine] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
@@ -23,6 +23,9 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles.
 - qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row; reference one
   head-row per program; candidates: several head-rows per program (``rows_per_program``).
+- align: the expert table (``moe.align``: a count and a placement launch, each program scanning
+  the slots); reference 1024 slots per step; candidates: wider steps (``nblock``). The time
+  includes the comparison's gather and concatenation, the same for every row.
 - combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference 1024 columns per program;
   candidates: narrower programs (``hblock``).
 
@@ -75,10 +78,11 @@ FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GR
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True)]
 QK_ROWS = [2, 4, 8, 16]  # rmsnorm_heads: head-rows per program
 HBLOCKS = [128, 256, 512]  # combine: columns per program
+NBLOCKS = [2048, 4096, 8192]  # align: slots scanned per step
 
 
 def _tag(form, cfg):
-    if "rows" in cfg or "hblock" in cfg:
+    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg:
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
@@ -156,6 +160,15 @@ def _cases(gemm, t, g, w, mm, moe):
         cands = [("rmsnorm_heads", {"rows": r}, lambda r=r: rmsnorm_heads(q, wn, 1e-6, rows_per_program=r))
                  for r in QK_ROWS]
         return lambda: rmsnorm_heads(q, wn, 1e-6), cands, None, 2 * t * HQ * D * 2
+    if gemm == "align":
+        ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
+
+        def table(nb=None):
+            rows, be, pos, own = moe.align(ids, 0, E) if nb is None else moe.align(ids, 0, E, nblock=nb)
+            used = (be >= 0).repeat_interleave(mm.ALIGN)  # rows of unused blocks are undefined
+            return torch.cat([rows[used], be.long(), pos, own[used]])
+        cands = [("align", {"nblock": nb}, lambda nb=nb: table(nb)) for nb in NBLOCKS]
+        return table, cands, None, t * K_TOP * 4 * (E + 1)
     if gemm == "combine":
         ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
         rows, be, pos, own = moe.align(ids, 0, E)
@@ -226,8 +239,8 @@ def run(tokens, gemms):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
-    ap.add_argument("--gemms", nargs="+", choices=("down", "gate_up", "o_proj", "qkv", "router", "qk_norm", "combine"),
-                    default=["down", "gate_up", "o_proj", "qkv", "router", "qk_norm", "combine"])
+    ops = ("down", "gate_up", "o_proj", "qkv", "router", "qk_norm", "align", "combine")
+    ap.add_argument("--gemms", nargs="+", choices=ops, default=list(ops))
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence

@@ -254,7 +254,7 @@ def combine(e_out: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out_dtype=t
     return y
 
 
-def align(ids: torch.Tensor, first_expert: int, num_local: int):
+def align(ids: torch.Tensor, first_expert: int, num_local: int, nblock: int = NBLOCK):
     """Expert-sorted row table, sync-free (CUDA-graph safe), padded per expert to ALIGN rows.
 
     Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1), pos [T*k]
@@ -262,6 +262,8 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int):
     table: each real row's own index, padding -1). Within an expert, slots keep (token, slot)
     order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks. Two launches (``_count_kernel``, ``_align_kernel``: one program per local expert, plus one for
     the unused blocks and the slots of other ranks' experts); rows of unused blocks are undefined.
+    ``nblock``: the slots each program scans per step (the table does not depend on it;
+    ``benchmarks/gemm_sweep.py`` times the candidates and checks the tables are equal).
     """
     t, k = ids.shape
     n = t * k
@@ -274,11 +276,11 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int):
     counts = torch.empty(num_local, dtype=torch.int32, device=dev)
     flat = ids.reshape(-1).to(torch.int32)
     if n:
-        _count_kernel[(num_local,)](flat, counts, n, first_expert, NBLOCK=NBLOCK)
+        _count_kernel[(num_local,)](flat, counts, n, first_expert, NBLOCK=nblock)
     else:
         counts.zero_()
     _align_kernel[(num_local + 1,)](flat, counts, rows, own_rows, block_expert, pos, n, k, first_expert, num_local,
-                                    n_blocks, ALIGN=ALIGN, NBLOCK=NBLOCK, BLOCK_E=triton.next_power_of_2(num_local))
+                                    n_blocks, ALIGN=ALIGN, NBLOCK=nblock, BLOCK_E=triton.next_power_of_2(num_local))
     return rows, block_expert, pos, own_rows
 
 

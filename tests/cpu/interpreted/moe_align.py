@@ -31,6 +31,14 @@ for ids in cases:
         assert torch.equal(own[used], r_own[used]), (ids.shape, first, local)
 from true_on_policy.kernels.moe import combine  # noqa: E402
 
+ids = torch.randint(0, 16, (37, 4), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+ref = align(ids, 0, 16)
+for nb in (64, 256, 2048):  # the table does not depend on the slots scanned per step
+    got = align(ids, 0, 16, nblock=nb)
+    used = (ref[1] >= 0).repeat_interleave(ALIGN)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), nb
+    assert torch.equal(got[0][used], ref[0][used]) and torch.equal(got[3][used], ref[3][used]), nb
+
 g = torch.Generator().manual_seed(1)
 e_out = torch.randn(40, 300, generator=g)  # fp32, as the down tree writes it
 pos = torch.randint(0, 40, (6, 4), generator=g)
