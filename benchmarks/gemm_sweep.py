@@ -25,7 +25,7 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   head-row per program; candidates: several head-rows per program (``rows_per_program``).
 - align: the expert table (``moe.align``: a count and a placement launch, each program scanning
   the slots); reference 1024 slots per step; candidates: wider steps (``nblock``). The time
-  includes the comparison's gather and concatenation, the same for every row.
+  includes one concatenation of the four outputs, the same for every row.
 - combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference 1024 columns per program;
   candidates: narrower programs (``hblock``).
 
@@ -163,12 +163,14 @@ def _cases(gemm, t, g, w, mm, moe):
     if gemm == "align":
         ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
 
-        def table(nb=None):
+        def table(nb=None):  # static shapes only: CUDA-graph timed
             rows, be, pos, own = moe.align(ids, 0, E) if nb is None else moe.align(ids, 0, E, nblock=nb)
-            used = (be >= 0).repeat_interleave(mm.ALIGN)  # rows of unused blocks are undefined
-            return torch.cat([rows[used], be.long(), pos, own[used]])
+            return torch.cat([rows, be.long(), pos, own])
+        _, be0, pos0, _ = moe.align(ids, 0, E)
+        used = (be0 >= 0).repeat_interleave(mm.ALIGN)  # rows of unused blocks are undefined: not compared
+        mask = torch.cat([used, torch.ones_like(be0, dtype=torch.bool), torch.ones_like(pos0, dtype=torch.bool), used])
         cands = [("align", {"nblock": nb}, lambda nb=nb: table(nb)) for nb in NBLOCKS]
-        return table, cands, None, t * K_TOP * 4 * (E + 1)
+        return table, cands, mask, t * K_TOP * 4 * (E + 1)
     if gemm == "combine":
         ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
         rows, be, pos, own = moe.align(ids, 0, E)
