@@ -214,14 +214,14 @@ def _check_layout(hq: int, hkv: int, d: int) -> None:
     """Refuse a head layout the kernel does not cover, naming what to change."""
     if d not in HEAD_DIMS:
         raise KernelLimitError(f"attention: head_dim {d} is not supported (the contract's attention kernel covers head_dim "
-                         f"{' and '.join(map(str, HEAD_DIMS))} only); serve this checkpoint without the true-on-policy "
-                         "overlay, or use one with head_dim 64 or 128")
+                               f"{' and '.join(map(str, HEAD_DIMS))} only); serve this checkpoint without the true-on-policy "
+                               "overlay, or use one with head_dim 64 or 128")
     if hkv < 1 or hq % hkv:
         raise KernelLimitError(f"attention: {hq} query heads cannot be grouped over {hkv} KV heads (Hq must be a "
-                         "multiple of Hkv); check num_attention_heads / num_key_value_heads and the TP degree")
+                               "multiple of Hkv); check num_attention_heads / num_key_value_heads and the TP degree")
     if hq // hkv > BLOCK_M:
         raise KernelLimitError(f"attention: {hq // hkv} query heads per KV head exceed one {BLOCK_M}-row tile; use a TP "
-                         f"degree that leaves at most {BLOCK_M} query heads per KV head on a rank")
+                               f"degree that leaves at most {BLOCK_M} query heads per KV head on a rank")
 
 
 @functools.cache

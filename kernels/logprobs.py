@@ -149,7 +149,7 @@ def shard_stats(logits: torch.Tensor, temperature, n_shards: int, shard: int | N
     valid = width if valid is None else valid
     if not (0 <= valid <= width and valid <= n_shards * shard):
         raise KernelLimitError(f"token_logprobs: {valid} valid columns do not fit {n_shards} shards of {shard} "
-                         f"in a slice of {width}")
+                               f"in a slice of {width}")
     stats = torch.empty(rows, n_shards, 2, dtype=torch.float32, device=logits.device)
     if rows:
         _shard_stats_kernel[(rows, n_shards)](logits, stats, temperatures(temperature, rows, logits.device),
@@ -177,10 +177,10 @@ def _layout(width: int, world: int, vocab: int | None) -> tuple[int, int]:
         raise KernelLimitError(f"token_logprobs: logits of {width} columns cannot hold a vocabulary of {vocab}")
     if world > 1 and width != (SHARDS // world) * shard:
         raise KernelLimitError(f"token_logprobs: at vocab-parallel degree {world} each rank must hold {SHARDS // world} "
-                         f"whole shards of {shard} columns ({SHARDS // world * shard}: the vocabulary of {vocab} "
-                         f"padded to {SHARDS * shard} = 8 * ceil({vocab} / 8) and split evenly), got {width}; pad "
-                         f"the lm_head to {SHARDS * shard} rows, or all-gather the logits and slice them to {vocab} "
-                         "as SGLang does")
+                               f"whole shards of {shard} columns ({SHARDS // world * shard}: the vocabulary of {vocab} "
+                               f"padded to {SHARDS * shard} = 8 * ceil({vocab} / 8) and split evenly), got {width}; pad "
+                               f"the lm_head to {SHARDS * shard} rows, or all-gather the logits and slice them to {vocab} "
+                               "as SGLang does")
     return vocab, shard
 
 

@@ -118,7 +118,7 @@ def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, rows_per_pr
     d = weight.shape[0]
     if x.dim() != 2 or x.shape[1] % d or x.stride(-1) != 1 or weight.dtype != x.dtype:
         raise KernelLimitError(f"rmsnorm_heads: x must be [T, heads * {d}] ({weight.dtype}) with unit last stride, "
-                         f"got {tuple(x.shape)} {x.dtype}")
+                               f"got {tuple(x.shape)} {x.dtype}")
     heads = x.shape[1] // d
     out = torch.empty(x.shape[0] * heads, d, dtype=x.dtype, device=x.device)
     if out.shape[0] and rows_per_program > 1:

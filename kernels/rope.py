@@ -72,7 +72,7 @@ def rope_scaling(params: dict | None, max_position_embeddings: int | None = None
     foreign = [k for k in ("attn_factor", "extrapolation_factor") if params.get(k, 1) != 1]
     if foreign:
         raise KernelLimitError(f"yarn {', '.join(foreign)} is read by SGLang but not by transformers (the trainer): "
-                         "drop it, or express it as attention_factor")
+                               "drop it, or express it as attention_factor")
     original = params.get("original_max_position_embeddings")
     if not original:
         raise KernelLimitError("yarn needs original_max_position_embeddings in rope_parameters")
@@ -80,9 +80,9 @@ def rope_scaling(params: dict | None, max_position_embeddings: int | None = None
     differ = [f for f in Yarn.__dataclass_fields__ if getattr(hf, f) != getattr(sgl, f)]
     if differ:
         raise KernelLimitError(f"yarn {', '.join(differ)}: transformers reads {[getattr(hf, f) for f in differ]}, SGLang "
-                         f"0.5.17 reads {[getattr(sgl, f) for f in differ]} from {params}; state factor explicitly, "
-                         "drop an attention_factor that is not 0.1*ln(factor)+1 (or the mscale ratio), and give "
-                         "beta_fast/beta_slow/mscale non-zero values")
+                               f"0.5.17 reads {[getattr(sgl, f) for f in differ]} from {params}; state factor explicitly, "
+                               "drop an attention_factor that is not 0.1*ln(factor)+1 (or the mscale ratio), and give "
+                               "beta_fast/beta_slow/mscale non-zero values")
     return hf
 
 
