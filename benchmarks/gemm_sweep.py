@@ -21,13 +21,13 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   loop, one live fp32 tile fewer, meant for the larger tiles) and ``FOLD="branch"`` (the tree
   folded by branches on the segment index, not by selects over the tile: fewer elementwise ops); o_proj also tries matmul's
   ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles.
-- qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row; reference one
-  head-row per program; candidates: several head-rows per program (``rows_per_program``).
+- qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row: the tile form
+  (TILE_ROWS head-rows per program), timed alone (its tile is fixed: another tile is other bits).
 - align: the expert table (``moe.align``: a count and a placement launch, each program scanning
-  the slots); reference 1024 slots per step; candidates: wider steps (``nblock``). The time
+  the slots); reference ``moe.NBLOCK`` slots per step; candidates: other steps (``nblock``). The time
   includes one concatenation of the four outputs, the same for every row.
-- combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference 1024 columns per program;
-  candidates: narrower programs (``hblock``).
+- combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference ``moe.HBLOCK``
+  columns per program; candidates: other widths (``hblock``).
 
 Each row: median ms of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), the weight
 bytes read over that time (the touched experts' for the MoE; for the glue kernels the bytes they
@@ -76,9 +76,8 @@ FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GR
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True)]
-QK_ROWS = [2, 4, 8, 16]  # rmsnorm_heads: head-rows per program
-HBLOCKS = [128, 256, 512]  # combine: columns per program
-NBLOCKS = [2048, 4096, 8192]  # align: slots scanned per step
+HBLOCKS = [256, 1024]  # combine: columns per program (the default, moe.HBLOCK, is the reference)
+NBLOCKS = [1024, 4096]  # align: slots scanned per step (the default, moe.NBLOCK, is the reference)
 
 
 def _tag(form, cfg):
@@ -157,9 +156,7 @@ def _cases(gemm, t, g, w, mm, moe):
         fused = torch.randn(t, QKV, device="cuda", generator=g).bfloat16()
         q = fused[:, :HQ * D]  # a strided view, as the rollout normalises it
         wn = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).bfloat16()
-        cands = [("rmsnorm_heads", {"rows": r}, lambda r=r: rmsnorm_heads(q, wn, 1e-6, rows_per_program=r))
-                 for r in QK_ROWS]
-        return lambda: rmsnorm_heads(q, wn, 1e-6), cands, None, 2 * t * HQ * D * 2
+        return lambda: rmsnorm_heads(q, wn, 1e-6), [], None, 2 * t * HQ * D * 2
     if gemm == "align":
         ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
 

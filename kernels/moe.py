@@ -26,9 +26,10 @@ from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
 from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree, rank_in, sum_exact
 
-HBLOCK = 1024  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
+HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
+# (512 and 2048 below: the fastest at 1-4096 tokens in evidence/bench-layer-gemms.json; neither changes a bit)
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
-NBLOCK = 1024  # align: slots scanned in fixed chunks (the table does not depend on it)
+NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
 
 
 # ---------------------------------------------------------------- references (plain torch)

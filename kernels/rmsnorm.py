@@ -4,9 +4,12 @@ Math (Qwen3 / Hugging Face order), per row of ``hidden`` elements:
     s   = bf16(x + residual)                      # residual variant only; s is the new residual
     n   = bf16(s.float() * rsqrt(mean(s.float()^2) + eps))
     out = bf16(weight * n)
-Invariance: row i of the output depends only on row i of the inputs and the weight. The sum of
-squares is accumulated in fp32 over fixed BLOCK-wide chunks, chunks added in index order; the
-block size depends on nothing but this constant, never on the number of rows.
+Invariance: row i of the output depends only on row i of the inputs and the weight. Rows of more
+than TILE_H elements: the sum of squares is accumulated in fp32 over fixed BLOCK-wide chunks,
+chunks added in index order, one program per row. Rows of at most TILE_H (head_dim 64/128:
+QK-norm): TILE_ROWS rows per program, each row's squares summed by one fp32 ``tl.sum`` over
+next_pow2(hidden) lanes. Either way the form depends on the row length alone, never on the
+number of rows.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
 
 BLOCK = 1024  # fixed: the reduction order must not depend on the token count (no autotune)
+TILE_H = 128  # rows of at most this many elements (QK-norm heads) take the tile form
+TILE_ROWS = 16  # rows per program in the tile form: fixed (the tile's shape sets the lanes' order)
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -58,74 +63,53 @@ def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_
 
 
 @triton.jit
-def _rmsnorm_heads_kernel(X, W, OUT, stride_t, H, HEADS, eps, BLOCK: tl.constexpr):
-    """``_rmsnorm_kernel`` without residual, row (t, h) read at X + t * stride_t + h * H: the
-    same per-row code (BLOCK-wide masked chunks, one fp32 sum), only the row's address differs."""
-    pid = tl.program_id(0)
-    t = (pid // HEADS).to(tl.int64)
-    base = X + t * stride_t + (pid % HEADS) * H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, H, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < H
-        s = tl.load(base + cols, mask=mask, other=0.0)
-        sf = s.to(tl.float32)
-        acc += sf * sf
-    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
-    for start in range(0, H, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < H
-        s = tl.load(base + cols, mask=mask, other=0.0)
-        n = (s.to(tl.float32) * inv).to(s.dtype)
-        w = tl.load(W + cols, mask=mask, other=0.0)
-        tl.store(OUT + pid.to(tl.int64) * H + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype), mask=mask)
+def _rmsnorm_tile_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, N_ROWS, HEADS, H, eps,
+                         HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The form for rows of at most ``TILE_H`` (QK-norm's heads, tiny hidden sizes): ROWS rows
+    per program as one [ROWS, BLOCK_D] tile, a row's squares summed by one ``tl.sum`` over its
+    BLOCK_D lanes. Row r is read at X + (r // HEADS) * stride_x + (r % HEADS) * H (HEADS > 1: the
+    heads of a fused qkv row, in place); OUT (and RES_OUT) are contiguous [N_ROWS, H]. ROWS and
+    BLOCK_D are fixed by H alone, so every row, wherever it sits in whichever tile, is reduced by
+    the same lanes in the same order: a row never depends on how many rows there are."""
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < H
+    m = (r < N_ROWS)[:, None] & cmask[None, :]
+    t, h = r // HEADS, r % HEADS
+    s = tl.load(X + (t * stride_x + h * H)[:, None] + cols[None, :], mask=m, other=0.0)
+    if HAS_RES:
+        res = tl.load(R + (t * stride_r + h * H)[:, None] + cols[None, :], mask=m, other=0.0)
+        s = (s.to(tl.float32) + res.to(tl.float32)).to(res.dtype)  # bf16 add: exact fp32 sum, one rounding
+        tl.store(RES_OUT + r[:, None] * H + cols[None, :], s, mask=m)
+    sf = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / H + eps)
+    n = (sf * inv[:, None]).to(s.dtype)
+    w = tl.load(W + cols, mask=cmask, other=0.0)
+    tl.store(OUT + r[:, None] * H + cols[None, :], (w.to(tl.float32)[None, :] * n.to(tl.float32)).to(s.dtype),
+             mask=m)
 
 
-@triton.jit
-def _rmsnorm_heads_rows_kernel(X, W, OUT, stride_t, H, HEADS, N_ROWS, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """A candidate (``rows_per_program`` > 1): ROWS head-rows per program, each by
-    ``_rmsnorm_heads_kernel``'s per-row code unchanged (the same BLOCK-wide chunks and fp32 sum),
-    so the same bits by construction; fewer programs for the 131,072 head-rows of a 4096-token
-    prefill (benchmarks/gemm_sweep.py times it and checks its bits)."""
-    for r in tl.static_range(ROWS):
-        pid = tl.program_id(0) * ROWS + r
-        if pid < N_ROWS:
-            t = (pid // HEADS).to(tl.int64)
-            base = X + t * stride_t + (pid % HEADS) * H
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, H, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = cols < H
-                s = tl.load(base + cols, mask=mask, other=0.0)
-                sf = s.to(tl.float32)
-                acc += sf * sf
-            inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
-            for start in range(0, H, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = cols < H
-                s = tl.load(base + cols, mask=mask, other=0.0)
-                n = (s.to(tl.float32) * inv).to(s.dtype)
-                w = tl.load(W + cols, mask=mask, other=0.0)
-                tl.store(OUT + pid.to(tl.int64) * H + cols, (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype),
-                         mask=mask)
+def _tile(x, r, weight, out, res_out, stride_x, stride_r, n_rows, heads, h, eps):
+    _rmsnorm_tile_kernel[(triton.cdiv(n_rows, TILE_ROWS),)](
+        x, r, weight, out, res_out, stride_x, stride_r, n_rows, heads, h, eps, HAS_RES=res_out is not out,
+        ROWS=TILE_ROWS, BLOCK_D=triton.next_power_of_2(h), num_warps=4)
 
 
-def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, rows_per_program: int = 1) -> torch.Tensor:
+def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, heads * D] with unit last stride and any row stride (a view into a fused qkv
     output) -> contiguous [T * heads, D]: ``rmsnorm(x.reshape(-1, D), weight, eps)`` bit for bit
-    (GPU tier: test_rmsnorm_heads_equals_rows), without copying x first. ``rows_per_program`` > 1
-    runs the candidate ``_rmsnorm_heads_rows_kernel`` (not the default: not yet measured on a GPU)."""
+    (GPU tier: test_rmsnorm_heads_equals_rows), without copying x first (D <= TILE_H; a larger D
+    takes the copy and the row kernel)."""
     d = weight.shape[0]
     if x.dim() != 2 or x.shape[1] % d or x.stride(-1) != 1 or weight.dtype != x.dtype:
         raise KernelLimitError(f"rmsnorm_heads: x must be [T, heads * {d}] ({weight.dtype}) with unit last stride, "
                                f"got {tuple(x.shape)} {x.dtype}")
+    if d > TILE_H:
+        return rmsnorm(x.reshape(-1, d), weight, eps)
     heads = x.shape[1] // d
     out = torch.empty(x.shape[0] * heads, d, dtype=x.dtype, device=x.device)
-    if out.shape[0] and rows_per_program > 1:
-        _rmsnorm_heads_rows_kernel[(triton.cdiv(out.shape[0], rows_per_program),)](
-            x, weight, out, x.stride(0), d, heads, out.shape[0], eps, BLOCK=BLOCK, ROWS=rows_per_program)
-    elif out.shape[0]:
-        _rmsnorm_heads_kernel[(out.shape[0],)](x, weight, out, x.stride(0), d, heads, eps, BLOCK=BLOCK)
+    if out.shape[0]:
+        _tile(x, x, weight, out, out, x.stride(0), 0, out.shape[0], heads, d, eps)
     return out
 
 
@@ -138,10 +122,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if weight.dtype != x.dtype:
         raise KernelLimitError(f"rmsnorm: weight dtype {weight.dtype} != activation dtype {x.dtype} (contract: bf16 both)")
     rows, h = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
+    new = (lambda: torch.empty(rows, h, dtype=x.dtype, device=x.device)) if h <= TILE_H else (lambda: torch.empty_like(x))
+    out = new()  # (the tile form writes contiguous rows)
+    res_out = new() if residual is not None else out
     r = residual if residual is not None else x
-    if rows:
+    if rows and h <= TILE_H:
+        _tile(x, r, weight, out, res_out, x.stride(0), r.stride(0), rows, 1, h, eps)
+    elif rows:
         _rmsnorm_kernel[(rows,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
                                  res_out.stride(0), h, eps, HAS_RES=residual is not None, BLOCK=BLOCK)
     return out if residual is None else (out, res_out)

@@ -10,10 +10,10 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "4af520e9f1ee125d9c466786a688bfc63a85f06a50be311ebf7bf8b751606157"
+GOLDEN_FINGERPRINT = "730242cd981efb6a22c3da2fa2388bdc7c40038fe38eb9aba8ad535b40ab5e0f"
 PREVIEW = "qwen3_moe_true_on_policy_tp_preview_v1"
 # The preview changes with its layouts (PP 1-8 since issue 15): pinned too, each change in CHANGELOG ### Contract.
-PREVIEW_FINGERPRINT = "16c0432f225d5df84ff8798724280b8a440aa14ea6165926b0715e4121fbf298"
+PREVIEW_FINGERPRINT = "9f8230cd42b6f09520357d046d6838b936bccd88f305a6ed798bd7cd646e4843"
 
 
 def test_round_trip_is_identity():

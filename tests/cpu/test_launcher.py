@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-FP = "4af520e9f1ee125d9c466786a688bfc63a85f06a50be311ebf7bf8b751606157"
+FP = "730242cd981efb6a22c3da2fa2388bdc7c40038fe38eb9aba8ad535b40ab5e0f"
 
 
 def _launch(*args, env_extra=None):

@@ -97,3 +97,28 @@ def test_env_rules():
     bad = {"NCCL_NVLS_ENABLE": "1", "SGLANG_SIMULATE_UNIFORM_EXPERTS": "1", "SGLANG_PLUGINS": "a,b"}
     assert {v.subject for v in check_env(C, bad)} == set(bad)
     assert check_env(C, {"NCCL_NVLS_ENABLE": "0", "SGLANG_PLUGINS": "a, true_on_policy"}) == []
+
+
+def test_a_launch_without_the_plugin_entry_point_is_refused():
+    """Importable but not installed (PYTHONPATH only): SGLang's scheduler processes would load no
+    patches, so the plan is refused; the README's install registers the entry point."""
+    from types import SimpleNamespace
+
+    from true_on_policy.contract.policy import PLUGIN, check_plugin
+
+    assert check_plugin() == []  # this install
+    none = lambda group: []  # noqa: E731
+    [v] = check_plugin(none)
+    assert v.subject == "true_on_policy plugin" and "not installed" in v.found and "pip install -e ." in v.fix
+    other = lambda group: [SimpleNamespace(name=PLUGIN[0], value="elsewhere.plugin:register")]  # noqa: E731
+    [v] = check_plugin(other)
+    assert "another install" in v.found
+
+
+def test_the_plan_lists_a_missing_plugin_with_the_other_problems(tiny_cache, clean_env, monkeypatch):
+    from true_on_policy.contract import launch_plan, policy
+
+    monkeypatch.setattr(launch_plan, "check_plugin", lambda: policy.check_plugin(lambda group: []))
+    with pytest.raises(PolicyError) as e:
+        build_plan(C, ["--tp-size", "3"])
+    assert "true_on_policy plugin" in _subjects(e.value) and len(e.value.violations) >= 2, str(e.value)

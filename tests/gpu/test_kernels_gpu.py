@@ -51,7 +51,20 @@ def _same(a, b, what):
     assert torch.equal(a, b), f"{what}: {_diff(a, b)}"
 
 
-@pytest.mark.parametrize("h", [128, 2048])
+@pytest.mark.parametrize("h", [64, 128, 2048])
+def test_rmsnorm_residual_form_equals_add_then_norm(h, gpu_evidence):
+    """The rollout's fused residual RMSNorm == the trainer's bf16 ``x + residual`` followed by the
+    plain RMSNorm, bit for bit, in both forms (the tile form below TILE_H, the row form above)."""
+    g = _gen(h + 7)
+    x, r = _randn(g, 4097, h), _randn(g, 4097, h)
+    w = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).bfloat16()
+    out, s = rmsnorm(x, w, 1e-6, r)
+    _same(s, x + r, f"h={h} residual sum")
+    _same(out, rmsnorm(x + r, w, 1e-6), f"h={h} norm")
+    gpu_evidence.append({"test": f"rmsnorm_h{h}_residual_form_eq_add_then_norm", "bitwise": True})
+
+
+@pytest.mark.parametrize("h", [64, 128, 2048])
 def test_rmsnorm(h, gpu_evidence):
     g = _gen(h)
     x, r = _randn(g, 4097, h), _randn(g, 4097, h)
@@ -413,4 +426,6 @@ def test_rmsnorm_heads_equals_rows(heads, d, gpu_evidence):
     for n in COUNTS:
         q = qkv[:n, :heads * d]  # a strided view, as qkv.split gives
         _same(rmsnorm_heads(q, w, 1e-6), rmsnorm(q.reshape(-1, d), w, 1e-6), f"heads={heads} d={d} rows={n}")
+        k = qkv[:n, (heads + 3) * d:(heads + 4) * d]  # a view at an offset, as the k heads are
+        _same(rmsnorm_heads(k, w, 1e-6), rmsnorm(k.contiguous().view(-1, d), w, 1e-6), f"k view d={d} rows={n}")
     gpu_evidence.append({"test": f"rmsnorm_heads_{heads}x{d}_eq_rows", "counts": COUNTS, "bitwise": True})

@@ -26,6 +26,7 @@ from true_on_policy.contract.policy import (
     Violation,
     check_args,
     check_env,
+    check_plugin,
     check_resolved,
     check_versions,
     member,
@@ -161,7 +162,7 @@ def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
     partition = environ.get(env.PP_LAYER_PARTITION.name)
     cfg, model = model_problems(contract, model_path, getattr(ns, "tp_size", 1), getattr(ns, "ep_size", 1),
                                 getattr(ns, "pp_size", 1), partition)
-    early = check_versions(contract) + check_env(contract, environ) + _violations(model)
+    early = check_versions(contract) + check_plugin() + check_env(contract, environ) + _violations(model)
     if early:  # the model is unreadable or refused: report it with what can be checked without SGLang
         raise PolicyError(contract.name, early + conflicts + check_args(contract, ns))
     saved = env.save()  # SGLang's resolution writes os.environ (NCCL_ALGO at TP > 1): undone on refusal

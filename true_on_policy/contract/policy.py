@@ -127,6 +127,25 @@ def check_versions(contract: Contract, installed=_installed) -> list[Violation]:
     return out
 
 
+PLUGIN = ("true_on_policy", "true_on_policy.plugin:register")  # (name, value) of our sglang.srt.plugins entry
+
+
+def check_plugin(entry_points=None) -> list[Violation]:
+    """SGLang patches its scheduler processes by loading the ``sglang.srt.plugins`` entry points
+    there; with the package importable but not installed (``PYTHONPATH`` only), those processes
+    would run stock kernels under a true-on-policy launch. Refused before anything starts."""
+    if entry_points is None:
+        from importlib.metadata import entry_points
+    found = [e.value for e in entry_points(group="sglang.srt.plugins") if e.name == PLUGIN[0]]
+    if found == [PLUGIN[1]]:
+        return []
+    what = (f"the sglang.srt.plugins entry point {PLUGIN[0]!r} is not installed: SGLang's scheduler processes "
+            "would run unpatched" if not found else
+            f"the sglang.srt.plugins entry point {PLUGIN[0]!r} is {found}, not [{PLUGIN[1]!r}] (another install)")
+    return [Violation("true_on_policy plugin", what, "install this checkout: pip install -e . (on a host without a "
+                      "package index: bash tests/gpu/dev_install.sh)")]
+
+
 def read_architectures(model_path: str) -> list[str]:
     cfg = Path(model_path) / "config.json"
     if cfg.is_file():

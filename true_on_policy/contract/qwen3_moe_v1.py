@@ -15,7 +15,8 @@ NUMERICS = (
                "masked row lookup; vocab-parallel shards summed with zeros (exact)", ("none",)),
     OpNumerics("rmsnorm", ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm"),
                _K + "rmsnorm", "bf16 x, bf16 residual, bf16 weight", "fp32",
-               "per row: sum of squares over hidden in fixed 1024-wide blocks, blocks summed in order",
+               "per row: sum of squares over hidden in fixed 1024-wide blocks, blocks summed in order; rows "
+               "of <= 128 (QK-norm heads): 16-row tiles, one fp32 sum over next_pow2(hidden) lanes per row",
                ("residual add in bf16 (x + residual, rounded to bf16; that sum is the new residual)",
                 "x.float() * rsqrt(mean(x^2) + eps) in fp32, rounded to bf16",
                 "weight * normed in bf16, rounded to bf16")),
