@@ -9,8 +9,9 @@ process dies with every request it holds. Here instead:
 - ``Scheduler.run_batch``: those two errors, and nothing else (a CUDA error or a bug still stops
   the server), abort every request of the batch with HTTP 500 and the error's message. Each
   request's KV cache is freed without inserting it into the radix cache (this step's KV was not
-  written whole), a chunked request stops being chunked, the finish is streamed, and the batch's
-  result is a ``FailedBatch``.
+  written whole), including the slots the overlap schedule committed ahead of the request's
+  token ids (``release_lagging``), a chunked request stops being chunked, the finish is streamed,
+  and the batch's result is a ``FailedBatch``.
 - ``Scheduler.process_batch_result`` skips a failed result; ``launch_batch_sample_if_needed`` (the
   sampling that the overlap schedule defers for grammar batches) skips one and is guarded the same
   way.
@@ -110,11 +111,33 @@ def fail_batch(scheduler, batch, error: BaseException) -> str:
             continue
         prepare_abort(req, message, HTTPStatus.INTERNAL_SERVER_ERROR)
         if req.req_pool_idx is not None:
-            release_kv_cache(req, scheduler.tree_cache, is_insert=False)
+            release_lagging(req, scheduler.tree_cache, release_kv_cache)
         if scheduler.chunked_req is req:
             scheduler.chunked_req = None
     scheduler.output_streamer.stream_output(reqs, False)
     return message
+
+
+def release_lagging(req, tree_cache, release_kv_cache) -> int:
+    """``release_kv_cache(req, tree_cache, is_insert=False)`` for a request whose batch failed inside
+    ``run_batch``; returns the KV slots it covered beyond the request's known token ids.
+
+    Under the overlap schedule a decode batch is prepared (``kv_committed_len`` += 1, one slot
+    allocated) before the previous batch's token reaches ``req.output_ids``. SGLang releases a
+    request only after its result is processed, where ids and KV agree; here the committed KV runs
+    ahead of the ids by that step, and ``cache_finished_req`` frees KV only up to the number of ids
+    it has: the rest would leak, and SGLang's idle memory check stops the server on a leak. With
+    nothing inserted (``is_insert=False``) the ids' values are never read, only their count, so
+    stand-ins cover the lag for the duration of the call."""
+    have = len(req.output_ids)
+    lag = req.kv_committed_len - len(req.origin_input_ids) - have
+    if lag > 0:
+        req.output_ids.extend([0] * lag)
+    try:
+        release_kv_cache(req, tree_cache, is_insert=False)
+    finally:
+        del req.output_ids[have:]
+    return max(lag, 0)
 
 
 def _make_run_batch(original, fault: dict):

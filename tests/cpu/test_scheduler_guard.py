@@ -154,3 +154,80 @@ def test_kernel_argument_checks_raise_kernel_limit_errors():
     with pytest.raises(KernelLimitError, match="rmsnorm: x must be"):
         rmsnorm(torch.zeros(2, 3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-6)
     assert issubclass(KernelLimitError, ValueError)  # callers that caught ValueError still do
+
+
+@pytest.fixture
+def radix(monkeypatch):
+    """SGLang's own RadixCache and release_kv_cache over a recording allocator and a 4 x 64 token table."""
+    from array import array
+
+    import sglang.srt.managers.schedule_batch as sb
+    import sglang.srt.mem_cache.common as common
+    import torch
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    # the process-wide config SGLang publishes at launch; what these two reads need, as a server has it
+    monkeypatch.setattr(sb, "get_serving", lambda: SimpleNamespace(strip_thinking_cache=False))
+    monkeypatch.setattr(common, "get_serving", lambda: SimpleNamespace(strip_thinking_cache=False))
+    monkeypatch.setattr(common, "get_spec", lambda: SimpleNamespace(speculative_algorithm=None))
+
+    class Allocator:
+        page_size, device = 1, "cpu"
+
+        def __init__(self):
+            self.freed = []
+
+        def free(self, idx):
+            self.freed += idx.tolist()
+
+        def free_segment(self, idx, *, start_pos):
+            self.freed += idx.tolist()
+
+        def free_segments(self, segments):
+            for idx, start in segments:
+                self.free_segment(idx, start_pos=start)
+
+    class Pool:
+        req_to_token = torch.arange(1000, 1256, dtype=torch.int32).view(4, 64)
+
+        def free(self, req):
+            req.req_pool_idx = None
+
+    alloc = Allocator()
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=Pool(), token_to_kv_pool_allocator=alloc,
+                                      page_size=1))
+
+    def make(n_in, n_out, committed, pool_idx=2):
+        r = Req("r", "", array("q", range(1, n_in + 1)), SamplingParams(max_new_tokens=8))
+        r.output_ids.extend(range(7, 7 + n_out))
+        r.req_pool_idx, r.kv_committed_len = pool_idx, committed
+        r.kv = ReqKvInfo(kv_allocated_len=committed, swa_evicted_seqlen=0)
+        r.last_node = tree.root_node
+        tree.inc_lock_ref(tree.root_node)
+        return r
+
+    return SimpleNamespace(tree=tree, alloc=alloc, make=make, release=common.release_kv_cache,
+                           row=lambda i, n: list(range(1000 + 64 * i, 1000 + 64 * i + n)))
+
+
+def test_a_decode_failed_under_the_overlap_schedule_frees_every_committed_slot(radix):
+    """Overlap: the failing decode batch committed one slot more than the request has token ids (the
+    previous batch's token is not appended yet). SGLang's release alone leaks that slot, which its
+    idle memory check turns into a stopped server; release_lagging frees all 16, once each."""
+    r = radix.make(10, 5, committed=16)
+    radix.release(r, radix.tree, is_insert=False)
+    assert sorted(radix.alloc.freed) == radix.row(2, 15)  # the leak this guards against: slot 1143 stays taken
+    radix.alloc.freed.clear()
+    r = radix.make(10, 5, committed=16)
+    assert g.release_lagging(r, radix.tree, radix.release) == 1
+    assert sorted(radix.alloc.freed) == radix.row(2, 16) and len(radix.alloc.freed) == 16
+    assert list(r.output_ids) == [7, 8, 9, 10, 11] and r.req_pool_idx is None  # the stand-ins are gone again
+
+
+@pytest.mark.parametrize("n_out,committed", [(0, 10), (5, 15), (0, 6)])  # prefill; decode in step; a chunk
+def test_without_a_lag_the_release_is_sglangs_own(radix, n_out, committed):
+    r = radix.make(10, n_out, committed=committed)
+    assert g.release_lagging(r, radix.tree, radix.release) == 0
+    assert sorted(radix.alloc.freed) == radix.row(2, committed)
