@@ -167,8 +167,9 @@ def main(argv=None) -> int:
     variants, passes, mems, engines = [], {v: [] for v in a.variants}, {}, {}
 
     def report(done: int) -> None:
-        """Table and evidence of the passes so far (written after every round, so a run cut short
-        still leaves what it measured, marked incomplete)."""
+        """Table and evidence of the passes so far (written after every round, and under
+        --one-engine after every variant, so a run cut short still leaves what it measured, marked
+        incomplete)."""
         rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
                  "median": statistics.median(x["tokens_per_s"] for x in passes[v]) if passes[v] else None,
                  "tokens": [x["tokens"] for x in passes[v]]} for v in a.variants]
@@ -234,6 +235,8 @@ def _one_engine_rounds(a, model_path, passes, mems, engines, report) -> None:
             finally:
                 var.close()
             _wait_gpu_free(total)
+            if v != a.variants[-1]:
+                report(r)  # a call cut short by its time limit still leaves the variants it timed
         report(r + 1)
 
 

@@ -36,3 +36,27 @@ def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys
     assert set(lines[0]["engine"]) == set(throughput.ENGINE_KEYS)
     assert [x["cmd"] for x in lines[1:]] == [["warm"], ["pass", "0"]] and all(x["tokens"] == 20 for x in lines[1:])
     assert eng.shut
+
+
+def test_one_engine_rounds_report_after_every_variant(monkeypatch):
+    """--one-engine: the evidence is rewritten after each variant, not only after each round, so a
+    call cut short by its time limit keeps the variants it timed (marked incomplete)."""
+    from types import SimpleNamespace
+
+    class _V:
+        def __init__(self, name, a, path, mem):
+            self.name, self.engine = name, {"v": name}
+
+        def ask(self, cmd):
+            return {"tokens_per_s": 1.0, "tokens": 1}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(throughput, "_Variant", _V)
+    monkeypatch.setattr(throughput, "_free_gb", lambda: 100.0)
+    monkeypatch.setattr(throughput, "_wait_gpu_free", lambda total: None)
+    a = SimpleNamespace(repeats=2, variants=["stock", "deterministic", "tpo"], passes=3, mem=0.85)
+    passes, seen = {v: [] for v in a.variants}, []
+    throughput._one_engine_rounds(a, "m", passes, {}, {}, lambda done: seen.append((done, [len(passes[v]) for v in a.variants])))
+    assert seen == [(0, [3, 0, 0]), (0, [3, 3, 0]), (1, [3, 3, 3]), (1, [6, 3, 3]), (1, [6, 6, 3]), (2, [6, 6, 6])]
