@@ -20,7 +20,9 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - down and o_proj also try ``seg_tree``'s candidates: ``PEELED`` (the last segment out of the
   loop, one live fp32 tile fewer, meant for the larger tiles) and ``FOLD="branch"`` (the tree
   folded by branches on the segment index, not by selects over the tile: fewer elementwise ops); o_proj also tries matmul's
-  ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles.
+  ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
+  and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
+  the planes written and read back).
 - qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row: the tile form
   (TILE_ROWS head-rows per program), timed alone (its tile is fixed: another tile is other bits).
 - align: the expert table (``moe.align``: a count and a placement launch, each program scanning
@@ -81,7 +83,7 @@ NBLOCKS = [1024, 4096]  # align: slots scanned per step (the default, moe.NBLOCK
 
 
 def _tag(form, cfg):
-    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg:
+    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg or "per_plane" in cfg:
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
@@ -149,7 +151,9 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
         cands = [("seg_tree", c, seg(c)) for c in SEG + PEELED + BRANCH if st.fits(O_IN // 8, c["BK"])]
-        return ref, cands + [("row_flat", c, flat(c)) for c in FLAT], None, H * O_IN * 2
+        planes = [("planes", {"per_plane": pp}, lambda pp=pp: mm.split_matmul(x, w["o"], 8, per_plane=pp))
+                  for pp in (2, 4)]
+        return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2
     if gemm == "qk_norm":
         from true_on_policy.kernels.rmsnorm import rmsnorm_heads
 

@@ -148,8 +148,8 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     k_base = 0
-    if SPLIT:  # one K segment per program along grid axis 2, written to its own fp32 plane
-        k_base = tl.program_id(2) * SEG
+    if SPLIT:  # SEGMENTS K segments per program along grid axis 2 (their subtree), written to its own fp32 plane
+        k_base = tl.program_id(2) * SEG * SEGMENTS
         C += tl.program_id(2).to(tl.int64) * stride_cs
     if GROUPED:
         expert = tl.load(BLOCK_EXPERT + pid_m)
@@ -183,21 +183,21 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
         acc = _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base, SEG, stride_am, stride_ak, stride_bn,
                            stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         if SEGMENTS >= 2:  # the tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), built left to right
-            acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, SEG, SEG, stride_am, stride_ak, stride_bn,
+            acc = acc + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + SEG, SEG, stride_am, stride_ak, stride_bn,
                                      stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         if SEGMENTS >= 4:
-            acc = acc + (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 2 * SEG, SEG, stride_am, stride_ak,
+            acc = acc + (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + 2 * SEG, SEG, stride_am, stride_ak,
                                       stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-                         + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 3 * SEG, SEG, stride_am, stride_ak,
+                         + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + 3 * SEG, SEG, stride_am, stride_ak,
                                         stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
         if SEGMENTS >= 8:
-            left = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 4 * SEG, SEG, stride_am, stride_ak, stride_bn,
+            left = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + 4 * SEG, SEG, stride_am, stride_ak, stride_bn,
                                  stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-                    + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 5 * SEG, SEG, stride_am, stride_ak,
+                    + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + 5 * SEG, SEG, stride_am, stride_ak,
                                    stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
-            right = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, 6 * SEG, SEG, stride_am, stride_ak, stride_bn,
+            right = (_segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + 6 * SEG, SEG, stride_am, stride_ak, stride_bn,
                                   stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-                     + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, 7 * SEG, SEG, stride_am, stride_ak,
+                     + _segment_dot(A, B, a_rows, row_ok, cols, col_ok, k_base + 7 * SEG, SEG, stride_am, stride_ak,
                                     stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32))
             acc = acc + (left + right)
         tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(C.dtype.element_ty),
@@ -294,36 +294,45 @@ def _launch_tma(x, w, out, cfg=None):
     return out
 
 
-def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False):
+def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False, per_plane=1):
+    """``split``: ``segments // per_plane`` programs along grid axis 2, each computing the subtree
+    of ``per_plane`` consecutive segments (the in-kernel tree) into its own fp32 plane of ``out``."""
     n, k = w.shape[-2], w.shape[-1]
-    if segments not in (1, 2, 4, 8) or k % segments:
-        raise KernelLimitError(f"matmul: segments must be 1, 2, 4 or 8 and divide K={k}, got {segments}")
+    if segments not in (1, 2, 4, 8) or k % segments or per_plane not in (1, 2, 4) or segments % per_plane:
+        raise KernelLimitError(f"matmul: segments must be 1, 2, 4 or 8 and divide K={k} (and be a multiple of "
+                               f"{per_plane} per plane), got {segments}")
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"] * cfg.get("N_GROUP", 1)),
-            segments if split else 1)
+            segments // per_plane if split else 1)
     if rows and n:
         _matmul_kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, k // segments, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0,
             w.stride(-2), w.stride(-1), out.stride(-2), out.stride(-1), out.stride(0) if split else 0,
-            HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=1 if split else segments,
+            HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=per_plane if split else segments,
             SPLIT=split, DOT_F32=INTERPRETED, FLAT=cfg.get("FLAT", False) and not split,
             **{key: v for key, v in cfg.items() if key != "FLAT"})
     return out
 
 
-def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None) -> torch.Tensor:
+def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None, per_plane: int = 1) -> torch.Tensor:
     """Same math and bits as ``matmul(x, w, segments=S, tree=True)``: each K segment's fp32
     partial is computed by its own program (ROW tiles, grid axis 2) into an [S, M, N] fp32
     workspace, then ``_tree_kernel`` adds the planes in the same pairwise tree. More programs
     (good for few rows) and no register pressure from live subtree roots (good for many rows),
-    at the cost of S x M x N x 4 bytes of transient memory."""
+    at the cost of S x M x N x 4 bytes of transient memory.
+
+    ``per_plane`` = 2 or 4 (a candidate, default off; ``benchmarks/gemm_sweep.py`` times it for
+    o_proj): each program computes the subtree of that many consecutive segments, (s0+s1) or
+    (s0+s1)+(s2+s3), so S / per_plane planes are written and read back; ``_tree_kernel`` then adds
+    the planes in the rest of the same tree. The same additions in the same order."""
     _check(x, w, "split_matmul")
     m, n = x.shape[0], w.shape[0]
-    parts = torch.empty(segments, m, n, dtype=torch.float32, device=x.device)
-    _launch(x, w, parts, None, None, m, segments, ROW, split=True)
+    planes = segments // per_plane if per_plane in (1, 2, 4) and segments % per_plane == 0 else 0
+    parts = torch.empty(max(planes, 1), m, n, dtype=torch.float32, device=x.device)
+    _launch(x, w, parts, None, None, m, segments, ROW, split=True, per_plane=per_plane)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m * n:
-        _tree_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, parts.stride(0), S=segments, BLOCK=1024)
+        _tree_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, parts.stride(0), S=planes, BLOCK=1024)
     return out
 
 

@@ -119,6 +119,22 @@ def test_matmul_batch_and_column_invariance(n_out, k, gpu_evidence):
                          "column_split_bitwise": True})
 
 
+def test_split_planes_of_subtrees_equal_planes(gpu_evidence):
+    """The o_proj candidate ``split_matmul(per_plane=2 or 4)`` (each program the subtree of 2 or 4
+    segments, fewer planes written and read back) == the 8 planes, bit for bit, at o_proj's shape."""
+    from true_on_policy.kernels.matmul import split_matmul
+
+    g = _gen(31)
+    w = _randn(g, 2048, 4096, scale=0.02)
+    for rows in (1, 256, 4097):
+        x = _randn(g, rows, 4096)
+        ref = split_matmul(x, w, 8, torch.float32)
+        for pp in (2, 4):
+            _same(split_matmul(x, w, 8, torch.float32, per_plane=pp), ref, f"rows={rows} per_plane={pp}")
+    gpu_evidence.append({"test": "split_planes_of_subtrees_eq_planes", "rows": [1, 256, 4097], "per_plane": [2, 4],
+                         "bitwise": True})
+
+
 def test_row_linear_tree_tp_invariance(gpu_evidence):
     g = _gen(11)
     x, w = _randn(g, 4097, 4096), _randn(g, 2048, 4096, scale=0.02)

@@ -19,6 +19,11 @@ for lo, hi in ((0, 48), (48, 96), (17, 50)):  # column split (tensor parallel ov
     assert torch.equal(matmul(x, w[lo:hi].clone()), y[:, lo:hi]), (lo, hi)
 full = row_linear(x, w, out_dtype=torch.float32)
 torch.testing.assert_close(full, row_linear_reference(x, w, torch.float32), rtol=1e-5, atol=1e-5)
+from true_on_policy.kernels.matmul import split_matmul  # noqa: E402
+for pp in (2, 4):  # the candidate: planes of 2- or 4-segment subtrees, the same tree
+    assert torch.equal(split_matmul(x, w, 8, torch.float32, per_plane=pp), full), pp
+    assert torch.equal(split_matmul(x[:5].clone(), w, 8, torch.float32, per_plane=pp), full[:5]), pp
+expect_value_errors(lambda: split_matmul(x, w, 8, torch.float32, per_plane=3))
 for t in (2, 4, 8):  # TP over K simulated in one process: subtree per rank, roots tree-summed
     k = 256 // t
     roots = [matmul(x[:, r * k:(r + 1) * k].contiguous(), w[:, r * k:(r + 1) * k].contiguous(),
