@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from true_on_policy.kernels.matmul import INTERPRETED, hopper
+from true_on_policy.kernels.matmul import INTERPRETED, gather_rows, hopper
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -29,11 +29,7 @@ def _grouped_tma_kernel(A, b_desc, C, A_IDX, BLOCK_EXPERT, M, N, K, stride_am, s
         return
     if tl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
-    row_ok = row_ok & (a_rows >= 0)
-    a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    a_rows, row_ok = gather_rows(A_IDX, pid_m, M, True, BLOCK_M)
     n0 = expert * N + pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):

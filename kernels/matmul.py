@@ -139,6 +139,22 @@ def _tree_dot_flat(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak
     return root
 
 
+@triton.jit
+def gather_rows(A_IDX, pid_m, M, HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The (int64 source row, row mask) pairs of row tile ``pid_m``: the tile's rows themselves, or
+    (HAS_IDX) the rows they gather through the table A_IDX, where -1 (padding) is masked off and
+    reads row 0. Shared by every GEMM kernel that gathers its rows."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if HAS_IDX:
+        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
+        row_ok = row_ok & (a_rows >= 0)
+        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    return a_rows, row_ok
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
@@ -160,14 +176,7 @@ def _matmul_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG,
         if tl.load(A_IDX + pid_m * BLOCK_M) < 0:
             return
         B += expert.to(tl.int64) * stride_be
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    if HAS_IDX:
-        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
-        row_ok = row_ok & (a_rows >= 0)
-        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
-    else:
-        a_rows = rows.to(tl.int64)
+    a_rows, row_ok = gather_rows(A_IDX, pid_m, M, HAS_IDX, BLOCK_M)
     out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     if FLAT:  # N_GROUP column tiles per program, one after the other (fewer, longer programs)
         for g in tl.static_range(N_GROUP):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
+from true_on_policy.kernels.matmul import gather_rows
 
 
 @triton.jit
@@ -49,14 +50,7 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
         if tl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
             return
         B += expert.to(tl.int64) * stride_be
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    if HAS_IDX:
-        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
-        row_ok = row_ok & (a_rows >= 0)
-        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
-    else:
-        a_rows = rows.to(tl.int64)
+    a_rows, row_ok = gather_rows(A_IDX, pid_m, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -64,18 +58,8 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, SEGMENTS):
-        k0 = s * SEG
-        if DOT_F32:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c in tl.static_range(NCH):
-            acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn, stride_bk,
-                         acc, BK, DOT_F32)
-        if BKT > 0:
-            acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
-                         stride_bk, acc, BKT, DOT_F32)
-        acc = acc.to(tl.float32)
+        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                       BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
         v1 = p1 + acc
         v2 = p2 + v1
         v3 = p4 + v2
@@ -124,14 +108,7 @@ def _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, pid_m, pid_n, HAS_IDX: tl
         expert = tl.load(BLOCK_EXPERT + pid_m)
         skip = (expert < 0) | (tl.load(A_IDX + pid_m * BLOCK_M) < 0)
         B += tl.maximum(expert, 0).to(tl.int64) * stride_be
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    if HAS_IDX:
-        a_rows = tl.load(A_IDX + rows, mask=row_ok, other=-1)
-        row_ok = row_ok & (a_rows >= 0)
-        a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
-    else:
-        a_rows = rows.to(tl.int64)
+    a_rows, row_ok = gather_rows(A_IDX, pid_m, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return skip, B, a_rows, row_ok, cols, cols < N
 
