@@ -78,12 +78,18 @@ FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GR
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, N_GROUP=1, FLAT=True)]
+# o_proj planes (split_matmul): the partial GEMM's tiles, ROW (the reference's) first
+PLANE_TILES = [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+               dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)]
 HBLOCKS = [256, 1024]  # combine: columns per program (the default, moe.HBLOCK, is the reference)
 NBLOCKS = [1024, 4096]  # align: slots scanned per step (the default, moe.NBLOCK, is the reference)
 
 
 def _tag(form, cfg):
-    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg or "per_plane" in cfg:
+    if "per_plane" in cfg:
+        return f"{form} per_plane {cfg['per_plane']} " + _tag("", {k: v for k, v in cfg.items() if k != "per_plane"})[1:]
+    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg:
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
@@ -151,8 +157,8 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
         cands = [("seg_tree", c, seg(c)) for c in SEG + PEELED + BRANCH if st.fits(O_IN // 8, c["BK"])]
-        planes = [("planes", {"per_plane": pp}, lambda pp=pp: mm.split_matmul(x, w["o"], 8, per_plane=pp))
-                  for pp in (2, 4)]
+        planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
+                  for pp in (1, 2, 4) for c in PLANE_TILES]
         return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2
     if gemm == "qk_norm":
         from true_on_policy.kernels.rmsnorm import rmsnorm_heads

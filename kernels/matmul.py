@@ -323,7 +323,8 @@ def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False, pe
     return out
 
 
-def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None, per_plane: int = 1) -> torch.Tensor:
+def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None, per_plane: int = 1,
+                 cfg: dict | None = None) -> torch.Tensor:
     """Same math and bits as ``matmul(x, w, segments=S, tree=True)``: each K segment's fp32
     partial is computed by its own program (ROW tiles, grid axis 2) into an [S, M, N] fp32
     workspace, then ``_tree_kernel`` adds the planes in the same pairwise tree. More programs
@@ -333,12 +334,13 @@ def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None
     ``per_plane`` = 2 or 4 (a candidate, default off; ``benchmarks/gemm_sweep.py`` times it for
     o_proj): each program computes the subtree of that many consecutive segments, (s0+s1) or
     (s0+s1)+(s2+s3), so S / per_plane planes are written and read back; ``_tree_kernel`` then adds
-    the planes in the rest of the same tree. The same additions in the same order."""
+    the planes in the rest of the same tree. The same additions in the same order. ``cfg``: the
+    tiles of the partial GEMM (default ROW; every tile computes the same bits, GPU tier)."""
     _check(x, w, "split_matmul")
     m, n = x.shape[0], w.shape[0]
     planes = segments // per_plane if per_plane in (1, 2, 4) and segments % per_plane == 0 else 0
     parts = torch.empty(max(planes, 1), m, n, dtype=torch.float32, device=x.device)
-    _launch(x, w, parts, None, None, m, segments, ROW, split=True, per_plane=per_plane)
+    _launch(x, w, parts, None, None, m, segments, cfg or ROW, split=True, per_plane=per_plane)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m * n:
         _tree_kernel[(triton.cdiv(m * n, 1024),)](parts, out, m * n, parts.stride(0), S=planes, BLOCK=1024)

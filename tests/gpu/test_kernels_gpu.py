@@ -120,19 +120,26 @@ def test_matmul_batch_and_column_invariance(n_out, k, gpu_evidence):
 
 
 def test_split_planes_of_subtrees_equal_planes(gpu_evidence):
-    """The o_proj candidate ``split_matmul(per_plane=2 or 4)`` (each program the subtree of 2 or 4
-    segments, fewer planes written and read back) == the 8 planes, bit for bit, at o_proj's shape."""
-    from true_on_policy.kernels.matmul import split_matmul
+    """``split_matmul(per_plane=2 or 4)`` (each program the subtree of 2 or 4 segments, fewer planes
+    written and read back), at each tile of the sweep, == the 8 planes at ROW's tiles, bit for bit,
+    at o_proj's shape (fp32 root and bf16 output)."""
+    from true_on_policy.kernels.matmul import ROW, split_matmul
 
+    tiles = [ROW, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)]
     g = _gen(31)
     w = _randn(g, 2048, 4096, scale=0.02)
     for rows in (1, 256, 4097):
         x = _randn(g, rows, 4096)
         ref = split_matmul(x, w, 8, torch.float32)
-        for pp in (2, 4):
-            _same(split_matmul(x, w, 8, torch.float32, per_plane=pp), ref, f"rows={rows} per_plane={pp}")
-    gpu_evidence.append({"test": "split_planes_of_subtrees_eq_planes", "rows": [1, 256, 4097], "per_plane": [2, 4],
-                         "bitwise": True})
+        ref16 = split_matmul(x, w, 8)
+        for pp in (1, 2, 4):
+            for cfg in tiles:
+                tag = f"rows={rows} per_plane={pp} tile={cfg['BLOCK_M']}x{cfg['BLOCK_N']}"
+                _same(split_matmul(x, w, 8, torch.float32, per_plane=pp, cfg=cfg), ref, tag)
+                _same(split_matmul(x, w, 8, per_plane=pp, cfg=cfg), ref16, tag + " bf16")
+    gpu_evidence.append({"test": "split_planes_of_subtrees_eq_planes", "rows": [1, 256, 4097], "per_plane": [1, 2, 4],
+                         "tiles": len(tiles), "bitwise": True})
 
 
 def test_row_linear_tree_tp_invariance(gpu_evidence):
