@@ -323,7 +323,16 @@ def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False, pe
     return out
 
 
-def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None, per_plane: int = 1,
+# PER_PLANE: split_matmul's default subtree per program (o_proj). benchmarks/gemm_sweep.py
+# (evidence/bench-oproj-planes.json, ROW's tiles): 2 segments per plane take 0.0089 / 0.0095 / 0.0171 /
+# 0.2482 / 1.0761 ms at 1 / 64 / 256 / 4096 / 16384 tokens against one per plane's 0.0076 / 0.0089 /
+# 0.0224 / 0.3015 / 1.2199 (a quarter of the planes' memory traffic saved). The same fp32 additions
+# in the same order either way (GPU tier: test_split_planes_of_subtrees_equal_planes), fixed whatever
+# the token count.
+PER_PLANE = 2
+
+
+def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None, per_plane: int | None = None,
                  cfg: dict | None = None) -> torch.Tensor:
     """Same math and bits as ``matmul(x, w, segments=S, tree=True)``: each K segment's fp32
     partial is computed by its own program (ROW tiles, grid axis 2) into an [S, M, N] fp32
@@ -331,12 +340,14 @@ def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None
     (good for few rows) and no register pressure from live subtree roots (good for many rows),
     at the cost of S x M x N x 4 bytes of transient memory.
 
-    ``per_plane`` = 2 or 4 (a candidate, default off; ``benchmarks/gemm_sweep.py`` times it for
-    o_proj): each program computes the subtree of that many consecutive segments, (s0+s1) or
-    (s0+s1)+(s2+s3), so S / per_plane planes are written and read back; ``_tree_kernel`` then adds
-    the planes in the rest of the same tree. The same additions in the same order. ``cfg``: the
+    ``per_plane`` = 1, 2 or 4 (default ``PER_PLANE`` where it divides S, else 1): each program
+    computes the subtree of that many consecutive segments, (s0+s1) or (s0+s1)+(s2+s3), so
+    S / per_plane planes are written and read back; ``_tree_kernel`` then adds the planes in the
+    rest of the same tree. The same additions in the same order. ``cfg``: the
     tiles of the partial GEMM (default ROW; every tile computes the same bits, GPU tier)."""
     _check(x, w, "split_matmul")
+    if per_plane is None:
+        per_plane = PER_PLANE if segments % PER_PLANE == 0 else 1
     m, n = x.shape[0], w.shape[0]
     planes = segments // per_plane if per_plane in (1, 2, 4) and segments % per_plane == 0 else 0
     parts = torch.empty(max(planes, 1), m, n, dtype=torch.float32, device=x.device)

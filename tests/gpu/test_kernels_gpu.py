@@ -131,9 +131,9 @@ def test_split_planes_of_subtrees_equal_planes(gpu_evidence):
     w = _randn(g, 2048, 4096, scale=0.02)
     for rows in (1, 256, 4097):
         x = _randn(g, rows, 4096)
-        ref = split_matmul(x, w, 8, torch.float32)
-        ref16 = split_matmul(x, w, 8)
-        for pp in (1, 2, 4):
+        ref = split_matmul(x, w, 8, torch.float32, per_plane=1)
+        ref16 = split_matmul(x, w, 8, per_plane=1)
+        for pp in (None, 1, 2, 4):  # None: the default (PER_PLANE)
             for cfg in tiles:
                 tag = f"rows={rows} per_plane={pp} tile={cfg['BLOCK_M']}x{cfg['BLOCK_N']}"
                 _same(split_matmul(x, w, 8, torch.float32, per_plane=pp, cfg=cfg), ref, tag)

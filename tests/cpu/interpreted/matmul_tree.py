@@ -20,7 +20,8 @@ for lo, hi in ((0, 48), (48, 96), (17, 50)):  # column split (tensor parallel ov
 full = row_linear(x, w, out_dtype=torch.float32)
 torch.testing.assert_close(full, row_linear_reference(x, w, torch.float32), rtol=1e-5, atol=1e-5)
 from true_on_policy.kernels.matmul import split_matmul  # noqa: E402
-for pp in (2, 4):  # the candidate: planes of 2- or 4-segment subtrees, the same tree
+
+for pp in (1, 2, 4, None):  # planes of 1-, 2- or 4-segment subtrees (None: PER_PLANE), the same tree
     assert torch.equal(split_matmul(x, w, 8, torch.float32, per_plane=pp), full), pp
     assert torch.equal(split_matmul(x[:5].clone(), w, 8, torch.float32, per_plane=pp), full[:5]), pp
 expect_value_errors(lambda: split_matmul(x, w, 8, torch.float32, per_plane=3))
