@@ -122,9 +122,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if weight.dtype != x.dtype:
         raise KernelLimitError(f"rmsnorm: weight dtype {weight.dtype} != activation dtype {x.dtype} (contract: bf16 both)")
     rows, h = x.shape
-    new = (lambda: torch.empty(rows, h, dtype=x.dtype, device=x.device)) if h <= TILE_H else (lambda: torch.empty_like(x))
-    out = new()  # (the tile form writes contiguous rows)
-    res_out = new() if residual is not None else out
+    out = torch.empty(rows, h, dtype=x.dtype, device=x.device)  # contiguous rows, as empty_like(x) gave every x accepted here
+    res_out = torch.empty_like(out) if residual is not None else out
     r = residual if residual is not None else x
     if rows and h <= TILE_H:
         _tile(x, r, weight, out, res_out, x.stride(0), r.stride(0), rows, 1, h, eps)
