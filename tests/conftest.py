@@ -52,19 +52,58 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+# The GPU tier's evidence: the records its tests append, and every test's outcome in the session
+# (written whole by pytest_sessionfinish, so a failed or skipped test is in the file, not only
+# the records of the ones that passed).
+_TIER: dict = {"records": None, "provenance": None, "outcomes": {}}
+
+
+def pytest_runtest_logreport(report):
+    outcomes = _TIER["outcomes"]
+    if report.failed:  # a failure in any phase decides; one at set-up or teardown is an error
+        outcomes[report.nodeid] = {"outcome": "failed" if report.when == "call" else "error", "when": report.when}
+    elif report.skipped and report.nodeid not in outcomes:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        outcomes[report.nodeid] = {"outcome": "skipped", "reason": reason.removeprefix("Skipped: ")}
+    elif report.when == "call" and report.passed:
+        outcomes.setdefault(report.nodeid, {"outcome": "passed"})
+
+
+def tier_summary(outcomes: dict, exitstatus) -> dict:
+    """Counts per outcome, the ids of the tests that failed or errored, the skip reasons."""
+    counts: dict[str, int] = {}
+    for o in outcomes.values():
+        counts[o["outcome"]] = counts.get(o["outcome"], 0) + 1
+    skipped: dict[str, int] = {}
+    for o in outcomes.values():
+        if o["outcome"] == "skipped":
+            skipped[o["reason"]] = skipped.get(o["reason"], 0) + 1
+    return {"counts": counts, "exitstatus": int(exitstatus), "all_passed": int(exitstatus) == 0,
+            "not_passed": {k: o for k, o in outcomes.items() if o["outcome"] in ("failed", "error")},
+            "skip_reasons": skipped}
+
+
 @pytest.fixture(scope="session")
 def gpu_evidence():
     """GPU tier: records appended here are written to one JSON file, whole, at the end of the
     session (``$TRUE_ON_POLICY_EVIDENCE_DIR/gpu-tier.json``), with the provenance taken when the
-    first test asked for it."""
-    from true_on_policy import env
-    from true_on_policy.harness.provenance import provenance, write_evidence
+    first test asked for it and every test's outcome (``tests``: counts, failures, skip reasons)."""
+    from true_on_policy.harness.provenance import provenance
 
-    prov = provenance()
-    records: list[dict] = []
-    yield records
+    _TIER["provenance"] = provenance()
+    _TIER["records"] = []
+    yield _TIER["records"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    records = _TIER["records"]
     if not records:
         return
+    from true_on_policy import env
+    from true_on_policy.harness.provenance import write_evidence
+
     folder = Path(env.EVIDENCE_DIR.get() or ROOT / "evidence" / "gpu-tier")
-    write_evidence(folder / "gpu-tier.json", {"schema": "true_on_policy.gpu_tier/2", "records": records,
-                                              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, prov)
+    write_evidence(folder / "gpu-tier.json", {
+        "schema": "true_on_policy.gpu_tier/3", "records": records,
+        "tests": tier_summary(_TIER["outcomes"], exitstatus),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, _TIER["provenance"])

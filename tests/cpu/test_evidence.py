@@ -286,3 +286,30 @@ def test_a_copy_without_git_records_the_reason_and_can_be_verified(tmp_path, mon
     prov["git"] = pv.git_state(copy)
     ok, why = pv.verify(pv.write_evidence(tmp_path / "ev2.json", {"x": 1}, prov), repo)
     assert not ok and "not commit" in why
+
+
+def test_the_gpu_tier_file_records_every_test_outcome_not_only_the_records(tmp_path):
+    """A tier session with a passing test that records, a failing one and a skipped one: the
+    file is written, its ``tests`` block counts 1 passed / 1 failed / 1 skipped, names the failure
+    and the skip reason, and does not say all passed. Before, only the records were written, so a
+    failed test left no trace in the file."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_tier.py").write_text(
+        "import pytest\n\n"
+        "def test_records(gpu_evidence):\n    gpu_evidence.append({'test': 'x', 'bitwise': True})\n\n"
+        "def test_fails():\n    assert 1 == 2\n\n"
+        "def test_skips():\n    pytest.skip('no such thing here')\n")
+    out = tmp_path / "ev"
+    env = dict(os.environ, TRUE_ON_POLICY_EVIDENCE_DIR=str(out), TRUE_ON_POLICY_GIT_COMMIT="0" * 40)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        str(tmp_path / "test_tier.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads((out / "gpu-tier.json").read_text())
+    assert doc["schema"] == "true_on_policy.gpu_tier/3" and doc["records"] == [{"test": "x", "bitwise": True}]
+    t = doc["tests"]
+    assert t["counts"] == {"passed": 1, "failed": 1, "skipped": 1}, t
+    assert t["all_passed"] is False and t["exitstatus"] == 1
+    assert list(t["not_passed"]) == ["test_tier.py::test_fails"]
+    assert t["skip_reasons"] == {"no such thing here": 1}
+    assert doc["provenance"]["command"][-1].endswith("test_tier.py")  # the provenance block is the session's
