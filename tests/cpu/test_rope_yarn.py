@@ -11,12 +11,14 @@ import torch
 from transformers import Qwen3MoeConfig
 from true_on_policy.kernels.rope import Yarn, cos_sin, inv_freq, rope_scaling, yarn_inv_freq
 
-# Qwen3's documented long-context setting, and a small one (a tiny model's prompts pass it)
+# Qwen3's documented long-context setting, small ones (a tiny model's prompts pass them), and the
+# yarn262k checkpoint's (x8 from 32768 to 262144)
 CONFIGS = [
     (128, 131072, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}),
     (64, 128, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "rope_theta": 1e6}),
     (64, 512, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
                "truncate": False, "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5}),
+    (64, 262144, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}),
 ]
 POSITIONS = torch.tensor([0, 1, 63, 64, 65, 1000, 32767, 32768, 131071, 262143])
 

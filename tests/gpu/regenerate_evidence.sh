@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | bench | sweep | rl |
+# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
@@ -40,6 +40,10 @@ case $GROUP in
       run $P --mode tpo --trainer patched --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
         --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$g-t1.0.json"
     done ;;&
+  longctx|all)  # YaRN x8 from 32768 to 262144 positions (tiny layers): a 262000-token prompt in the mixed batch,
+    # chunked at 8192, then 8 radix-cache hits; split-KV decode past 256k keys
+    run $P --mode tpo --trainer patched --geometry yarn262k --temperature 1.0 --long-prompts 1 --long-len 262000 \
+      --chunked-prefill-size 8192 --radix-followups 8 --out "$E/parity-tpo-yarn262k-t1.0.json" ;;&
   rl|all) run python3 -m true_on_policy.harness.rl_loop --steps 100 --out "$E/rl-loop-embedded.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
@@ -70,7 +74,7 @@ case $GROUP in
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|rl|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc

@@ -32,6 +32,10 @@ WIDE = dict(EMBEDDED, hidden_size=512, num_hidden_layers=4, num_attention_heads=
 # run past it), a head group that does not divide the 64-row attention tile, an odd vocabulary.
 YARN = dict(EMBEDDED, max_position_embeddings=1024, seed=2,
             rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64})
+# YaRN at the 2507 / Coder context: x8 from 32768 to 262144 positions (a prompt near that length
+# runs through chunked prefill, split-KV decode and the trainer's full-sequence attention).
+YARN262K = dict(EMBEDDED, max_position_embeddings=262144, seed=5,
+                rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768})
 GROUP3 = dict(EMBEDDED, num_attention_heads=6, num_key_value_heads=2, seed=3)
 VOCAB3001 = dict(EMBEDDED, vocab_size=3001, seed=4)
 # The real Qwen3-30B-A3B layer geometry (hidden 2048, 32/4 heads of 128, 128 experts top-8,
@@ -52,7 +56,7 @@ A22B2 = dict(A3B, hidden_size=4096, intermediate_size=12288, moe_intermediate_si
 A35B2 = dict(A3B, hidden_size=6144, intermediate_size=8192, moe_intermediate_size=2560, num_hidden_layers=2,
              num_attention_heads=96, num_key_value_heads=8, num_experts=160, max_position_embeddings=262144,
              seed=14)
-GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "group3": GROUP3, "vocab3001": VOCAB3001,
+GEOMETRIES = {"embedded": EMBEDDED, "wide": WIDE, "yarn": YARN, "yarn262k": YARN262K, "group3": GROUP3, "vocab3001": VOCAB3001,
               "a3b6": A3B, "a3b48": A3B48, "a3b5": A3B5, "a22b2": A22B2, "a35b2": A35B2}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
