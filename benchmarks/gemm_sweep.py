@@ -17,9 +17,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
   tiles; candidates: other TMA tiles.
-- down and o_proj also try ``seg_tree``'s candidates: ``PEELED`` (the last segment out of the
-  loop, one live fp32 tile fewer, meant for the larger tiles) and ``FOLD="branch"`` (the tree
-  folded by branches on the segment index, not by selects over the tile: fewer elementwise ops); o_proj also tries matmul's
+- down and o_proj also try ``seg_tree``'s candidate ``FOLD="lag"`` (segment s - 1 folded after
+  segment s's MMAs are issued, so the fold need not wait on them); o_proj also tries matmul's
   ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
@@ -71,8 +70,7 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
-PEELED = [dict(c, PEELED=True) for c in SEG if c["BLOCK_M"] >= 32]  # seg_tree's peeled candidate
-BRANCH = [dict(c, FOLD="branch") for c in SEG]  # seg_tree's fold by branches (peeled too)
+LAG = [dict(c, FOLD="lag") for c in SEG]  # seg_tree's lagged fold
 FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
@@ -93,8 +91,7 @@ def _tag(form, cfg):
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
-    extra += " peeled" if cfg.get("PEELED") else ""
-    extra += " branch-fold" if cfg.get("FOLD") == "branch" else ""
+    extra += " lag-fold" if cfg.get("FOLD") == "lag" else ""
     return f"{form} " + "x".join(str(cfg[k]) for k in keys) + f" w{cfg['num_warps']} s{cfg['num_stages']}{extra}"
 
 
@@ -130,7 +127,7 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG + PEELED + BRANCH if st.fits(INTER // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG + LAG if st.fits(INTER // 8, c["BK"])]
         return ref, cands, mask, touched * H * INTER * 2
     if gemm == "gate_up":
         x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
@@ -156,7 +153,7 @@ def _cases(gemm, t, g, w, mm, moe):
         def flat(cfg):  # the tree in one pipelined K loop (matmul's ROW_FLAT form), rounded as it stores
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG + PEELED + BRANCH if st.fits(O_IN // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG + LAG if st.fits(O_IN // 8, c["BK"])]
         planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
                   for pp in (1, 2, 4) for c in PLANE_TILES]
         return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2

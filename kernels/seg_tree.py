@@ -101,7 +101,7 @@ def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, strid
 @triton.jit
 def _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, pid_m, pid_n, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The candidates' tile set-up, as ``_seg_tree_kernel`` does it: (skip, B of the tile's expert,
+    """The candidate's tile set-up, as ``_seg_tree_kernel`` does it: (skip, B of the tile's expert,
     gathered rows, row mask, columns, column mask); skip marks a padding-only or unused block."""
     skip = pid_m < 0  # a scalar tensor either way (False here)
     if GROUPED:
@@ -114,27 +114,23 @@ def _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, pid_m, pid_n, HAS_IDX: tl
 
 
 @triton.jit(do_not_specialize=["M"])
-def _seg_tree_peeled_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn,
-                            stride_bk, stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
-                            SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
-                            NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr, BRANCH: tl.constexpr):
-    """Candidates (``PEELED``, ``FOLD="branch"``), same bits as ``_seg_tree_kernel`` by construction.
-
-    Peeled: the last segment is out of the loop, so the loop carries p1, p2, p4 and no p8; the
-    root is the last segment's fold written out,
+def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn,
+                         stride_bk, stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
+                         SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+                         NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Candidate (``FOLD="lag"``), same bits as ``_seg_tree_kernel`` by construction: iteration s
+    multiplies segment s, then folds segment s - 1 (the select fold, unchanged), so the fold's
+    elementwise work does not consume the accumulator just written and may run while segment s's
+    MMAs are in flight; the last segment's fold is written out (the loop carries no p8),
         S = 1: y0;  2: p1 + y1;  4: p2 + (p1 + y3);  8: p4 + (p2 + (p1 + y7)),
-    the same additions in the same order as the select fold's last step. One fp32 tile fewer
-    stays live across the loop.
+    the same additions in the same order as the select fold's last step. At 96-wide segments the
+    select fold (three additions and four selects over the tile) is about as much work as the
+    segment's MMAs, and in ``_seg_tree_kernel`` it waits on them every segment. (Two earlier
+    candidates, the last segment peeled out of the loop and the fold by branches, were slower at
+    every size in ``evidence/bench-layer-gemms.json``, b2da523, and are removed.)
 
-    BRANCH: the fold by branches on the segment index (uniform over the program) instead of
-    selects: an even segment only becomes p1, an odd one adds what it must,
-        s % 4 == 1: p2 = p1 + y;   s % 8 == 3: p4 = p2 + (p1 + y),
-    the select fold's additions where they are kept, and none where they are thrown away (the
-    select form does three additions and four selects over the tile per segment, about as much
-    work as the segment's MMAs at these tiles).
-
-    Checked: interpreted (tests/cpu/interpreted/seg_tree_tma.py); on a GPU by
-    benchmarks/gemm_sweep.py's bits column."""
+    Checked: interpreted (tests/cpu/interpreted/seg_tree_tma.py); on a GPU by the kernel tier
+    (``test_seg_tree_equals_flat``, tiles ``lag*``) and benchmarks/gemm_sweep.py's bits column."""
     skip, B, a_rows, row_ok, cols, col_ok = _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, tl.program_id(0),
                                                       tl.program_id(1), HAS_IDX, GROUPED, BLOCK_M, BLOCK_N)
     if skip:
@@ -142,32 +138,26 @@ def _seg_tree_peeled_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, 
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, SEGMENTS - 1):
+    prev = _segment(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
+                    BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    for s in range(1, SEGMENTS):
         acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
                        BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
-        if BRANCH:
-            if s % 2 == 0:
-                p1 = acc
-            elif s % 4 == 1:
-                p2 = p1 + acc
-            else:  # s % 8 == 3 (s == 7 is the peeled last segment)
-                p4 = p2 + (p1 + acc)
-        else:
-            v1 = p1 + acc
-            v2 = p2 + v1
-            p4 = tl.where(s % 8 == 3, v2, p4)
-            p2 = tl.where(s % 4 == 1, v1, p2)
-            p1 = tl.where(s % 2 == 0, acc, p1)
-    last = _segment(A, B, a_rows, row_ok, cols, col_ok, (SEGMENTS - 1) * SEG, stride_am, stride_ak, stride_bn,
-                    stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+        t = s - 1  # fold segment t = s - 1 (never the last: that one is written out below)
+        v1 = p1 + prev
+        v2 = p2 + v1
+        p4 = tl.where(t % 8 == 3, v2, p4)
+        p2 = tl.where(t % 4 == 1, v1, p2)
+        p1 = tl.where(t % 2 == 0, prev, p1)
+        prev = acc
     if SEGMENTS == 1:
-        root = last
+        root = prev
     elif SEGMENTS == 2:
-        root = p1 + last
+        root = p1 + prev
     elif SEGMENTS == 4:
-        root = p2 + (p1 + last)
+        root = p2 + (p1 + prev)
     else:
-        root = p4 + (p2 + (p1 + last))
+        root = p4 + (p2 + (p1 + prev))
     out_rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
              mask=(out_rows < M)[:, None] & col_ok[None, :])
@@ -202,21 +192,20 @@ def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages, and
-    optionally ``PEELED`` or ``FOLD="branch"`` (default off: the candidates of
-    ``_seg_tree_peeled_kernel``)."""
+    optionally ``FOLD="lag"`` (the candidate ``_seg_tree_lag_kernel``; default ``"select"``)."""
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    branch = cfg.get("FOLD") == "branch"
-    candidate = branch or cfg.get("PEELED", False)
-    extra = {"BRANCH": branch} if candidate else {}
-    kernel = _seg_tree_peeled_kernel if candidate else _seg_tree_kernel
+    fold = cfg.get("FOLD", "select")
+    if fold not in ("select", "lag"):
+        raise ValueError(f"seg_tree: FOLD {fold!r} is not 'select' or 'lag'")
+    kernel = _seg_tree_lag_kernel if fold == "lag" else _seg_tree_kernel
     if rows and n:
         kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
             out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,
             SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail,
-            DOT_F32=dot_f32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+            DOT_F32=dot_f32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
