@@ -18,7 +18,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
   tiles; candidates: other TMA tiles.
 - down and o_proj also try ``seg_tree``'s candidate ``FOLD="lag"`` (segment s - 1 folded after
-  segment s's MMAs are issued, so the fold need not wait on them); o_proj also tries matmul's
+  segment s's MMAs are issued, so the fold need not wait on them); o_proj also with
+  ``INNER="loop"`` (a segment's chunks as a pipelined loop, so its 512-wide segments fit), and matmul's
   ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
@@ -71,6 +72,10 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
 LAG = [dict(c, FOLD="lag") for c in SEG]  # seg_tree's lagged fold
+# and with each segment's chunks as a pipelined loop (o_proj: its 512-wide segments then fit)
+LOOP = [dict(BLOCK_M=m, BLOCK_N=n, BK=64, num_warps=w, num_stages=st, FOLD="lag", INNER="loop")
+        for m, n, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 4),
+                            (128, 128, 8, 3))]
 FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
@@ -92,6 +97,7 @@ def _tag(form, cfg):
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
     extra += " lag-fold" if cfg.get("FOLD") == "lag" else ""
+    extra += " chunk-loop" if cfg.get("INNER") == "loop" else ""
     return f"{form} " + "x".join(str(cfg[k]) for k in keys) + f" w{cfg['num_warps']} s{cfg['num_stages']}{extra}"
 
 
@@ -153,7 +159,7 @@ def _cases(gemm, t, g, w, mm, moe):
         def flat(cfg):  # the tree in one pipelined K loop (matmul's ROW_FLAT form), rounded as it stores
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG + LAG if st.fits(O_IN // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG + LAG + LOOP if st.fits(O_IN // 8, c["BK"])]
         planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
                   for pp in (1, 2, 4) for c in PLANE_TILES]
         return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2

@@ -99,6 +99,26 @@ def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, strid
 
 
 @triton.jit
+def _segment_loop(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
+                  BKT: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr):
+    """``_segment`` with its chunks as a pipelined loop (``tl.range``): the same chunks in the same
+    order into the same accumulator, so the same bits; only ``STAGES`` chunks are staged, not
+    ``STAGES`` whole segments (wide segments: o_proj's 4096 / 8 = 512, the large MoE shapes')."""
+    if DOT_F32:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in tl.range(0, NCH, num_stages=STAGES):
+        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn, stride_bk,
+                     acc, BK, DOT_F32)
+    if BKT > 0:
+        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
+                     stride_bk, acc, BKT, DOT_F32)
+    return acc.to(tl.float32)
+
+
+@triton.jit
 def _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, pid_m, pid_n, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The candidate's tile set-up, as ``_seg_tree_kernel`` does it: (skip, B of the tile's expert,
@@ -117,7 +137,8 @@ def _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, pid_m, pid_n, HAS_IDX: tl
 def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn,
                          stride_bk, stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
                          SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
-                         NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
+                         NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr, INNER_LOOP: tl.constexpr,
+                         STAGES: tl.constexpr):
     """Candidate (``FOLD="lag"``), same bits as ``_seg_tree_kernel`` by construction: iteration s
     multiplies segment s, then folds segment s - 1 (the select fold, unchanged), so the fold's
     elementwise work does not consume the accumulator just written and may run while segment s's
@@ -129,6 +150,10 @@ def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, str
     candidates, the last segment peeled out of the loop and the fold by branches, were slower at
     every size in ``evidence/bench-layer-gemms.json``, b2da523, and are removed.)
 
+    ``INNER_LOOP`` (cfg ``INNER="loop"``): each segment's chunks as a pipelined inner loop
+    (``_segment_loop``), the segment loop itself not pipelined, so a segment wider than the staged
+    operands allow (o_proj's 512) fits.
+
     Checked: interpreted (tests/cpu/interpreted/seg_tree_tma.py); on a GPU by the kernel tier
     (``test_seg_tree_equals_flat``, tiles ``lag*``) and benchmarks/gemm_sweep.py's bits column."""
     skip, B, a_rows, row_ok, cols, col_ok = _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, tl.program_id(0),
@@ -138,11 +163,19 @@ def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, str
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    prev = _segment(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                    BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
-    for s in range(1, SEGMENTS):
-        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                       BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    if INNER_LOOP:
+        prev = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
+                             BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
+    else:
+        prev = _segment(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
+                        BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    for s in tl.range(1, SEGMENTS, num_stages=1 if INNER_LOOP else STAGES):
+        if INNER_LOOP:
+            acc = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn,
+                                stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
+        else:
+            acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                           BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
         t = s - 1  # fold segment t = s - 1 (never the last: that one is written out below)
         v1 = p1 + prev
         v2 = p2 + v1
@@ -184,28 +217,35 @@ SMEM_BUDGET = 200 * 1024  # bytes of staged operands per program (the H200 allow
 
 
 def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
-    """Whether ``num_stages`` copies of a whole segment's operands fit: a wider segment (e.g.
-    Coder-480B-A35B's 2560 / 8 = 320) takes another form (``matmul.ROW_FLAT``)."""
-    return cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * seg * elem <= SMEM_BUDGET
+    """Whether ``num_stages`` copies of a whole segment's operands fit (of one chunk, with
+    ``INNER="loop"``): a wider segment (e.g. Coder-480B-A35B's 2560 / 8 = 320) takes another form
+    (``matmul.ROW_FLAT``)."""
+    staged = cfg["BK"] if cfg.get("INNER") == "loop" else seg
+    return cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * staged * elem <= SMEM_BUDGET
 
 
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages, and
-    optionally ``FOLD="lag"`` (the candidate ``_seg_tree_lag_kernel``; default ``"select"``)."""
+    optionally ``FOLD="lag"`` (the candidate ``_seg_tree_lag_kernel``; default ``"select"``) and,
+    with it, ``INNER="loop"`` (each segment's chunks as a pipelined loop)."""
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     fold = cfg.get("FOLD", "select")
-    if fold not in ("select", "lag"):
-        raise ValueError(f"seg_tree: FOLD {fold!r} is not 'select' or 'lag'")
-    kernel = _seg_tree_lag_kernel if fold == "lag" else _seg_tree_kernel
+    inner = cfg.get("INNER", "static")
+    if fold not in ("select", "lag") or inner not in ("static", "loop") or (inner == "loop" and fold != "lag"):
+        raise ValueError(f"seg_tree: FOLD {fold!r}, INNER {inner!r}: FOLD is 'select' or 'lag'; INNER 'loop' needs "
+                         "FOLD 'lag'")
+    kernel, extra = _seg_tree_kernel, {}
+    if fold == "lag":
+        kernel, extra = _seg_tree_lag_kernel, {"INNER_LOOP": inner == "loop", "STAGES": cfg["num_stages"]}
     if rows and n:
         kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
             out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,
             SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail,
-            DOT_F32=dot_f32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            DOT_F32=dot_f32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
     return out

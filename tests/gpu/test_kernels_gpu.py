@@ -356,7 +356,12 @@ SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection
              # the lagged fold (FOLD="lag", a candidate): ROW_SEG's tiles and two wgmma tiles
              "lag-configured": "lag",
              "lag-wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3, FOLD="lag"),
-             "lag-wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3, FOLD="lag")}
+             "lag-wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3, FOLD="lag"),
+             # and with each segment's chunks as a pipelined loop (INNER="loop": wide segments fit)
+             "lag-loop-wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3, FOLD="lag",
+                                      INNER="loop"),
+             "lag-loop-wgmma128": dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=3, FOLD="lag",
+                                       INNER="loop")}
 
 
 @pytest.mark.parametrize("tiles", sorted(SEG_TILES))

@@ -1,7 +1,7 @@
 """Interpreted (TRITON_INTERPRET=1): the seg_tree GEMM (segments as the loop, chunks + tail,
 select fold) equals the fp64-per-segment reference exactly, plain and expert-grouped, for every
-segment count and chunk split, and its candidate (the fold of each segment one iteration later)
-equals it; the grouped TMA GEMM (weights by tensor descriptor) equals the pointer kernel's
+segment count and chunk split, and its candidate (the fold of each segment one iteration later,
+with the chunks unrolled or as a loop) equals it; the grouped TMA GEMM (weights by tensor descriptor) equals the pointer kernel's
 interpreted result (the same per-chunk rounding)."""
 import torch
 from true_on_policy.kernels import grouped_tma, seg_tree
@@ -10,7 +10,7 @@ from true_on_policy.kernels.moe import align
 
 g = torch.Generator().manual_seed(0)
 for m, n, k, s, bk in ((5, 40, 768, 8, 64), (17, 24, 384, 4, 32), (3, 16, 512, 8, 64), (3, 16, 64, 1, 32),
-                       (3, 16, 192, 2, 64), (2, 16, 96, 1, 64)):
+                       (3, 16, 192, 2, 64), (2, 16, 96, 1, 64), (3, 16, 4096, 8, 64)):
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BK=bk, num_warps=4, num_stages=3)
@@ -20,6 +20,8 @@ for m, n, k, s, bk in ((5, 40, 768, 8, 64), (17, 24, 384, 4, 32), (3, 16, 512, 8
         a = seg_tree.launch(x, w, torch.empty(m, n), None, None, m, s, cfg, dot_f32=f64)
         d = seg_tree.launch(x, w, torch.empty(m, n), None, None, m, s, dict(cfg, FOLD="lag"), dot_f32=f64)
         assert torch.equal(a, d), ("lag fold", m, n, k, s, bk, f64)
+        e = seg_tree.launch(x, w, torch.empty(m, n), None, None, m, s, dict(cfg, FOLD="lag", INNER="loop"), dot_f32=f64)
+        assert torch.equal(a, e), ("lag fold, chunk loop", m, n, k, s, bk, f64)
 assert seg_tree.chunks_of(96, 64) == (1, 32) and seg_tree.chunks_of(96, 32) == (3, 0)
 assert not seg_tree.fits(40, 32) and not seg_tree.fits(72, 64) and seg_tree.fits(32, 64)
 # grouped: rows gathered through the expert table, per-expert weights
@@ -39,6 +41,18 @@ for p in real.tolist():
 lag = seg_tree.launch(h, we, torch.empty(rows.shape[0], n), own, bexp, rows.shape[0], 8, dict(cfg, FOLD="lag"),
                       dot_f32=True)
 assert torch.equal(lag[real], out[real])
+lag = seg_tree.launch(h, we, torch.empty(rows.shape[0], n), own, bexp, rows.shape[0], 8,
+                      dict(cfg, FOLD="lag", INNER="loop"), dot_f32=True)
+assert torch.equal(lag[real], out[real])
+for bad in (dict(cfg, FOLD="branch"), dict(cfg, INNER="loop")):  # unknown fold; the chunk loop without lag
+    try:
+        seg_tree.launch(x, w, torch.empty(m, n), None, None, m, 8, bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(bad)
+assert seg_tree.smem_ok(512, dict(cfg, INNER="loop", BLOCK_M=64, BLOCK_N=128, num_stages=4))
+assert not seg_tree.smem_ok(512, dict(cfg, BLOCK_M=64, BLOCK_N=128, num_stages=4))
 # grouped TMA == pointer kernel (gate/up form), N not a multiple of the tile
 x = torch.randn(t, 128, generator=g).bfloat16()
 w13 = (torch.randn(E, 48, 128, generator=g) * 0.05).bfloat16()
