@@ -196,6 +196,69 @@ def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, str
              mask=(out_rows < M)[:, None] & col_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _seg_tree_pair_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn,
+                          stride_bk, stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr,
+                          SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+                          NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr, INNER_LOOP: tl.constexpr,
+                          STAGES: tl.constexpr):
+    """Candidate (``FOLD="pair"``, SEGMENTS >= 2), same bits as ``_seg_tree_kernel`` by
+    construction: iteration j multiplies the segment pair (2j, 2j + 1) into two accumulators and
+    adds them, q = y_2j + y_2j+1 (the select fold's first level, the same operand order), then
+    folds the pairs like a binary counter,
+        j % 2 == 0: q1 = q;   j % 4 == 1: q2 = q1 + q,
+    and the last pair is written out: S = 2: q0;  4: q1 + q1';  8: q2 + (q1 + q3), i.e.
+    ((y0+y1)+(y2+y3))+((y4+y5)+(y6+y7)). Per pair: two additions and two selects over the tile,
+    against the select fold's six additions and eight selects for two segments (at 96-wide
+    segments that fold is about as much work as the MMAs); the loop carries two fp32 tiles (q1,
+    q2), not four. ``INNER_LOOP``: each segment's chunks as a pipelined loop, as in
+    ``_seg_tree_lag_kernel``.
+
+    Checked: interpreted (tests/cpu/interpreted/seg_tree_tma.py); on a GPU by the kernel tier
+    (``test_seg_tree_equals_flat``, tiles ``pair*``) and benchmarks/gemm_sweep.py's bits column."""
+    skip, B, a_rows, row_ok, cols, col_ok = _prologue(B, A_IDX, BLOCK_EXPERT, M, N, stride_be, tl.program_id(0),
+                                                      tl.program_id(1), HAS_IDX, GROUPED, BLOCK_M, BLOCK_N)
+    if skip:
+        return
+    q1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    q2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.range(0, SEGMENTS // 2 - 1, num_stages=1 if INNER_LOOP else STAGES):
+        q = _pair(A, B, a_rows, row_ok, cols, col_ok, 2 * j * SEG, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                  BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, INNER_LOOP, STAGES)
+        w1 = q1 + q
+        q2 = tl.where(j % 4 == 1, w1, q2)
+        q1 = tl.where(j % 2 == 0, q, q1)
+    last = _pair(A, B, a_rows, row_ok, cols, col_ok, (SEGMENTS - 2) * SEG, SEG, stride_am, stride_ak, stride_bn,
+                 stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, INNER_LOOP, STAGES)
+    if SEGMENTS == 2:
+        root = last
+    elif SEGMENTS == 4:
+        root = q1 + last
+    else:
+        root = q2 + (q1 + last)
+    out_rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
+             mask=(out_rows < M)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _pair(A, B, a_rows, row_ok, cols, col_ok, k0, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr,
+          DOT_F32: tl.constexpr, INNER_LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """y_a + y_b of the two segments from ``k0``, each its own fp32 partial from zero."""
+    if INNER_LOOP:
+        ya = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+                           BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
+        yb = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, k0 + SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                           BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
+    else:
+        ya = _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+                      BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+        yb = _segment(A, B, a_rows, row_ok, cols, col_ok, k0 + SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                      BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    return ya + yb
+
+
 def chunks_of(seg: int, bk: int) -> tuple[int, int]:
     """(NCH, BKT) with seg = NCH * bk + BKT, BKT 0 or a power of two >= 16 below bk; ValueError
     when ``seg`` has no such split (the caller then uses another form)."""
@@ -227,20 +290,22 @@ def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages, and
-    optionally ``FOLD="lag"`` (the candidate ``_seg_tree_lag_kernel``; default ``"select"``) and,
-    with it, ``INNER="loop"`` (each segment's chunks as a pipelined loop)."""
+    optionally ``FOLD="lag"`` or ``"pair"`` (the candidates ``_seg_tree_lag_kernel`` and
+    ``_seg_tree_pair_kernel``; default ``"select"``; one segment runs the select fold) and, with
+    either, ``INNER="loop"`` (each segment's chunks as a pipelined loop)."""
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     fold = cfg.get("FOLD", "select")
     inner = cfg.get("INNER", "static")
-    if fold not in ("select", "lag") or inner not in ("static", "loop") or (inner == "loop" and fold != "lag"):
-        raise ValueError(f"seg_tree: FOLD {fold!r}, INNER {inner!r}: FOLD is 'select' or 'lag'; INNER 'loop' needs "
-                         "FOLD 'lag'")
+    if fold not in ("select", "lag", "pair") or inner not in ("static", "loop") or (inner == "loop" and fold == "select"):
+        raise ValueError(f"seg_tree: FOLD {fold!r}, INNER {inner!r}: FOLD is 'select', 'lag' or 'pair'; INNER 'loop' "
+                         "needs FOLD 'lag' or 'pair'")
     kernel, extra = _seg_tree_kernel, {}
-    if fold == "lag":
-        kernel, extra = _seg_tree_lag_kernel, {"INNER_LOOP": inner == "loop", "STAGES": cfg["num_stages"]}
+    if fold == "lag" or (fold == "pair" and segments > 1):
+        kernel = _seg_tree_lag_kernel if fold == "lag" else _seg_tree_pair_kernel
+        extra = {"INNER_LOOP": inner == "loop", "STAGES": cfg["num_stages"]}
     if rows and n:
         kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,

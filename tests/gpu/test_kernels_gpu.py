@@ -361,6 +361,11 @@ SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection
              "lag-loop-wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3, FOLD="lag",
                                       INNER="loop"),
              "lag-loop-wgmma128": dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=3, FOLD="lag",
+                                       INNER="loop"),
+             # segments in pairs, the pairs folded (FOLD="pair", a candidate)
+             "pair-configured": "pair",
+             "pair-wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3, FOLD="pair"),
+             "pair-loop-wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3, FOLD="pair",
                                        INNER="loop")}
 
 
@@ -370,14 +375,14 @@ SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection
                                                    (65, 512, 192, 2), (65, 512, 96, 1)])
 def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     """``seg_tree`` (segments as the pipelined loop, a segment in BK chunks plus a tail, the tree
-    folded by selects, or one segment later: ``lag*``) computes ROW_FLAT's bits, plain and
-    expert-grouped, for every tile set."""
+    folded by selects, one segment later: ``lag*``, or by pairs: ``pair*``) computes ROW_FLAT's
+    bits, plain and expert-grouped, for every tile set."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.moe import align
 
     cfg = SEG_TILES[tiles] or mm.ROW_SEG
-    cfg = dict(mm.ROW_SEG, FOLD="lag") if cfg == "lag" else cfg
+    cfg = dict(mm.ROW_SEG, FOLD=cfg) if cfg in ("lag", "pair") else cfg
     if not st.fits(k // segments, cfg["BK"]):
         pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
     if not st.smem_ok(k // segments, cfg):

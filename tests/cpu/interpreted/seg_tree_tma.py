@@ -1,7 +1,7 @@
 """Interpreted (TRITON_INTERPRET=1): the seg_tree GEMM (segments as the loop, chunks + tail,
 select fold) equals the fp64-per-segment reference exactly, plain and expert-grouped, for every
-segment count and chunk split, and its candidate (the fold of each segment one iteration later,
-with the chunks unrolled or as a loop) equals it; the grouped TMA GEMM (weights by tensor descriptor) equals the pointer kernel's
+segment count and chunk split, and its candidates (the fold of each segment one iteration later;
+segments in pairs, the pairs folded; each with the chunks unrolled or as a loop) equal it; the grouped TMA GEMM (weights by tensor descriptor) equals the pointer kernel's
 interpreted result (the same per-chunk rounding)."""
 import torch
 from true_on_policy.kernels import grouped_tma, seg_tree
@@ -22,6 +22,10 @@ for m, n, k, s, bk in ((5, 40, 768, 8, 64), (17, 24, 384, 4, 32), (3, 16, 512, 8
         assert torch.equal(a, d), ("lag fold", m, n, k, s, bk, f64)
         e = seg_tree.launch(x, w, torch.empty(m, n), None, None, m, s, dict(cfg, FOLD="lag", INNER="loop"), dot_f32=f64)
         assert torch.equal(a, e), ("lag fold, chunk loop", m, n, k, s, bk, f64)
+        for inner in ("static", "loop"):  # the pair fold (one segment: the select fold)
+            f = seg_tree.launch(x, w, torch.empty(m, n), None, None, m, s, dict(cfg, FOLD="pair", INNER=inner),
+                                dot_f32=f64)
+            assert torch.equal(a, f), ("pair fold", inner, m, n, k, s, bk, f64)
 assert seg_tree.chunks_of(96, 64) == (1, 32) and seg_tree.chunks_of(96, 32) == (3, 0)
 assert not seg_tree.fits(40, 32) and not seg_tree.fits(72, 64) and seg_tree.fits(32, 64)
 # grouped: rows gathered through the expert table, per-expert weights
@@ -44,7 +48,11 @@ assert torch.equal(lag[real], out[real])
 lag = seg_tree.launch(h, we, torch.empty(rows.shape[0], n), own, bexp, rows.shape[0], 8,
                       dict(cfg, FOLD="lag", INNER="loop"), dot_f32=True)
 assert torch.equal(lag[real], out[real])
-for bad in (dict(cfg, FOLD="branch"), dict(cfg, INNER="loop")):  # unknown fold; the chunk loop without lag
+for inner in ("static", "loop"):
+    pair = seg_tree.launch(h, we, torch.empty(rows.shape[0], n), own, bexp, rows.shape[0], 8,
+                           dict(cfg, FOLD="pair", INNER=inner), dot_f32=True)
+    assert torch.equal(pair[real], out[real]), inner
+for bad in (dict(cfg, FOLD="branch"), dict(cfg, INNER="loop")):  # unknown fold; the chunk loop with the select fold
     try:
         seg_tree.launch(x, w, torch.empty(m, n), None, None, m, 8, bad)
     except ValueError:
