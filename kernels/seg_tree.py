@@ -15,6 +15,10 @@ like a binary counter, without branches: after segment s,
     s % 8 == 7: p8 = p4 + (p2 + (p1 + y_s))
 and the root is p_S. Invariance: row i depends only on row i of x (or of the gathered rows) and
 on W; the tiles are constants (never chosen by the token count; ``M`` is not specialised).
+
+Candidates, off by default and timed by benchmarks/gemm_sweep.py (the same additions in the same
+order): ``FOLD="lag"`` (segment s - 1 folded after segment s's MMAs), ``FOLD="pair"`` (segments in
+pairs, the pairs folded), each optionally with ``INNER="loop"`` (a segment's chunks as a loop).
 """
 
 from __future__ import annotations
