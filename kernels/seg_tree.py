@@ -103,23 +103,37 @@ def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, strid
 
 
 @triton.jit
-def _segment_loop(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
-                  BKT: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr):
-    """``_segment`` with its chunks as a pipelined loop (``tl.range``): the same chunks in the same
-    order into the same accumulator, so the same bits; only ``STAGES`` chunks are staged, not
-    ``STAGES`` whole segments (wide segments: o_proj's 4096 / 8 = 512, the large MoE shapes')."""
-    if DOT_F32:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+def _candidate_segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
+                       BKT: tl.constexpr, DOT_F32: tl.constexpr, INNER_LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """The candidates' segment: ``_segment`` (chunks unrolled), or with ``INNER_LOOP`` its chunks as
+    a pipelined loop (``tl.range``): the same chunks in the same order into the same accumulator,
+    so the same bits; only ``STAGES`` chunks are staged, not ``STAGES`` whole segments (wide
+    segments: o_proj's 4096 / 8 = 512, the large MoE shapes')."""
+    if INNER_LOOP:
+        if DOT_F32:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in tl.range(0, NCH, num_stages=STAGES):
+            acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn,
+                         stride_bk, acc, BK, DOT_F32)
+        if BKT > 0:
+            acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
+                         stride_bk, acc, BKT, DOT_F32)
+        y = acc.to(tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c in tl.range(0, NCH, num_stages=STAGES):
-        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn, stride_bk,
-                     acc, BK, DOT_F32)
-    if BKT > 0:
-        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
-                     stride_bk, acc, BKT, DOT_F32)
-    return acc.to(tl.float32)
+        y = _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+                     BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    return y
+
+
+@triton.jit
+def _store_root(C, root, M, cols, col_ok, stride_cm, stride_cn, BLOCK_M: tl.constexpr):
+    """The candidates' epilogue, as ``_seg_tree_kernel`` ends: the root rounded once, masked store."""
+    out_rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
+             mask=(out_rows < M)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -155,7 +169,7 @@ def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, str
     every size in ``evidence/bench-layer-gemms.json``, b2da523, and are removed.)
 
     ``INNER_LOOP`` (cfg ``INNER="loop"``): each segment's chunks as a pipelined inner loop
-    (``_segment_loop``), the segment loop itself not pipelined, so a segment wider than the staged
+    (``_candidate_segment``), the segment loop itself not pipelined, so a segment wider than the staged
     operands allow (o_proj's 512) fits.
 
     Checked: interpreted (tests/cpu/interpreted/seg_tree_tma.py); on a GPU by the kernel tier
@@ -167,19 +181,11 @@ def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, str
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if INNER_LOOP:
-        prev = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                             BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
-    else:
-        prev = _segment(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
-                        BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    prev = _candidate_segment(A, B, a_rows, row_ok, cols, col_ok, 0, stride_am, stride_ak, stride_bn, stride_bk,
+                              BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, INNER_LOOP, STAGES)
     for s in tl.range(1, SEGMENTS, num_stages=1 if INNER_LOOP else STAGES):
-        if INNER_LOOP:
-            acc = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn,
-                                stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
-        else:
-            acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                           BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+        acc = _candidate_segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn,
+                                 stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, INNER_LOOP, STAGES)
         t = s - 1  # fold segment t = s - 1 (never the last: that one is written out below)
         v1 = p1 + prev
         v2 = p2 + v1
@@ -195,9 +201,7 @@ def _seg_tree_lag_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, str
         root = p2 + (p1 + prev)
     else:
         root = p4 + (p2 + (p1 + prev))
-    out_rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
-             mask=(out_rows < M)[:, None] & col_ok[None, :])
+    _store_root(C, root, M, cols, col_ok, stride_cm, stride_cn, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -240,9 +244,7 @@ def _seg_tree_pair_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
         root = q1 + last
     else:
         root = q2 + (q1 + last)
-    out_rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
-             mask=(out_rows < M)[:, None] & col_ok[None, :])
+    _store_root(C, root, M, cols, col_ok, stride_cm, stride_cn, BLOCK_M)
 
 
 @triton.jit
@@ -250,16 +252,10 @@ def _pair(A, B, a_rows, row_ok, cols, col_ok, k0, SEG, stride_am, stride_ak, str
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr,
           DOT_F32: tl.constexpr, INNER_LOOP: tl.constexpr, STAGES: tl.constexpr):
     """y_a + y_b of the two segments from ``k0``, each its own fp32 partial from zero."""
-    if INNER_LOOP:
-        ya = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
-                           BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
-        yb = _segment_loop(A, B, a_rows, row_ok, cols, col_ok, k0 + SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                           BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, STAGES)
-    else:
-        ya = _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
-                      BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
-        yb = _segment(A, B, a_rows, row_ok, cols, col_ok, k0 + SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                      BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    ya = _candidate_segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+                            BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, INNER_LOOP, STAGES)
+    yb = _candidate_segment(A, B, a_rows, row_ok, cols, col_ok, k0 + SEG, stride_am, stride_ak, stride_bn,
+                            stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, INNER_LOOP, STAGES)
     return ya + yb
 
 
