@@ -17,11 +17,7 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
   tiles; candidates: other TMA tiles.
-- down and o_proj also try ``seg_tree``'s candidates ``FOLD="lag"`` (segment s - 1 folded after
-  segment s's MMAs are issued, so the fold need not wait on them) and ``FOLD="pair"`` (segments
-  multiplied in pairs, the pairs folded: about a third of the elementwise work); o_proj also with
-  ``INNER="loop"`` (a segment's chunks as a pipelined loop, so its 512-wide segments fit), and matmul's
-  ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
+- o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
 - qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row: the tile form
@@ -72,12 +68,6 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
-LAG = [dict(c, FOLD="lag") for c in SEG]  # seg_tree's lagged fold
-PAIR = [dict(c, FOLD="pair") for c in SEG]  # seg_tree's segments in pairs, the pairs folded
-# and with each segment's chunks as a pipelined loop (o_proj: its 512-wide segments then fit)
-LOOP = [dict(BLOCK_M=m, BLOCK_N=n, BK=64, num_warps=w, num_stages=st, FOLD=f, INNER="loop")
-        for m, n, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 4),
-                            (128, 128, 8, 3)) for f in ("lag", "pair")]
 FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
@@ -98,8 +88,6 @@ def _tag(form, cfg):
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
-    extra += f" {cfg['FOLD']}-fold" if cfg.get("FOLD") in ("lag", "pair") else ""
-    extra += " chunk-loop" if cfg.get("INNER") == "loop" else ""
     return f"{form} " + "x".join(str(cfg[k]) for k in keys) + f" w{cfg['num_warps']} s{cfg['num_stages']}{extra}"
 
 
@@ -135,7 +123,7 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG + LAG + PAIR if st.fits(INTER // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(INTER // 8, c["BK"])]
         return ref, cands, mask, touched * H * INTER * 2
     if gemm == "gate_up":
         x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
@@ -161,7 +149,7 @@ def _cases(gemm, t, g, w, mm, moe):
         def flat(cfg):  # the tree in one pipelined K loop (matmul's ROW_FLAT form), rounded as it stores
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG + LAG + PAIR + LOOP if st.fits(O_IN // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(O_IN // 8, c["BK"])]
         planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
                   for pp in (1, 2, 4) for c in PLANE_TILES]
         return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2

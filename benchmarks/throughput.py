@@ -1,10 +1,11 @@
 """End-to-end rollout throughput: stock SGLang, SGLang's deterministic mode alone, and
-``--true-on-policy`` (with and without returned log-probs), same model and workload, variants
+``--true-on-policy`` (with and without returned log-probs, and under the tree-width-1 contract
+``qwen3_moe_true_on_policy_flat_v1``: ``tpo_flat``), same model and workload, variants
 alternated pass by pass in one run.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob] [--one-engine --mem 0.85 --passes 2] [--out X.json]
+        [--variants stock deterministic tpo tpo_no_logprob tpo_flat] [--one-engine --mem 0.85 --passes 2] [--out X.json]
 
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
@@ -37,7 +38,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob")
+VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat")
+FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
                "sampling_backend", "enable_deterministic_inference")
@@ -55,7 +57,7 @@ def _engine(name, model_path, mem):
         return sglang.Engine(attention_backend="triton", sampling_backend="pytorch", **kw, **extra)
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
-    return TrueOnPolicyEngine(**kw)
+    return TrueOnPolicyEngine(**kw, **({"contract": FLAT} if name == "tpo_flat" else {}))
 
 
 def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem) -> None:

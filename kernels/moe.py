@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
-from true_on_policy.kernels.tree_reduce import VIRTUAL, _segments_for, _world, finish_tree, rank_in, sum_exact
+from true_on_policy.kernels.tree_reduce import _segments_for, _world, finish_tree, rank_in, sum_exact, tree_width
 
 HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
 # (512, and 2048 below: from evidence/bench-layer-gemms.json; the combine is faster at 1-4096 tokens, the
@@ -96,7 +96,7 @@ def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True, acc=torch.float32
         t, j = torch.where(ids == ex)
         if t.numel():
             h = silu_mul_reference(matmul_reference(x[t], w13[ex], acc=acc))
-            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=VIRTUAL, acc=acc)
+            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=tree_width(), acc=acc)
     return combine_reference(e, w, x.dtype)
 
 
@@ -304,7 +304,8 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.T
 
 def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments):
     h = silu_mul(grouped_matmul(x, w13, rows, block_expert), pos)
-    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=True)
+    # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop
+    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1)
 
 
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None):

@@ -13,6 +13,11 @@ by the collective). Forms:
   * ``row_linear_reduce_scatter(x_shard, w_shard, group)`` -- sequence-parallel form: rank r
     gets row chunk r of the same result (an all-to-all of the roots, then the same tree).
 ``finish_tree`` is the shared last step (used by the MoE down projection as well).
+
+V is the contract's ``tree_width`` (8 unless the contract says otherwise), set once per process
+by whoever applies the contract (``use_tree_width``: the SGLang patches, ``patch_hf_model``,
+the Megatron forward). At V = 1 there is no tree: ``row_linear`` is ``matmul`` (one fp32 K loop,
+the column GEMM's tiles and bits) and TP of these layers is refused.
 A ``group`` is a ``torch.distributed`` process group or an SGLang ``GroupCoordinator`` (whose
 collectives switch to its graph-capturable pynccl communicator inside CUDA-graph capture);
 either way only exact operations cross ranks: fp32 roots are gathered, never summed by NCCL.
@@ -23,9 +28,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import INTERPRETED, MAX_SEGMENTS, matmul_reference, split_matmul, tree_sum
+from true_on_policy.kernels.matmul import INTERPRETED, MAX_SEGMENTS, matmul, matmul_reference, split_matmul, tree_sum
 
-VIRTUAL = MAX_SEGMENTS  # the contract's V: supported TP degrees are the divisors of 8
+VIRTUAL = MAX_SEGMENTS  # the default V: supported TP degrees are the divisors of 8
+_WIDTH = {"v": VIRTUAL, "set": False}
+
+
+def tree_width() -> int:
+    """This process's V (``use_tree_width``; 8 until a contract sets it)."""
+    return _WIDTH["v"]
+
+
+def use_tree_width(v: int) -> None:
+    """Set this process's V from its contract. Once set it cannot change: two contracts of
+    different widths in one process would make one model's forward silently follow the other's."""
+    if v not in (1, 2, 4, 8):
+        raise KernelLimitError(f"tree width must be 1, 2, 4 or 8, got {v!r}")
+    if _WIDTH["set"] and _WIDTH["v"] != v:
+        raise KernelLimitError(f"this process already runs the row-parallel trees at width {_WIDTH['v']}; a contract "
+                               f"of width {v} needs its own process")
+    _WIDTH.update(v=v, set=True)
 
 
 def _is_coordinator(group) -> bool:
@@ -68,9 +90,10 @@ def sum_exact(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _segments_for(world: int, k_local: int) -> int:
-    if world not in (1, 2, 4, 8):
-        raise KernelLimitError(f"tree reduction supports TP degrees 1, 2, 4, 8 (divisors of V={VIRTUAL}); got {world}")
-    segments = VIRTUAL // world
+    v = tree_width()
+    if world not in (1, 2, 4, 8) or v % world:
+        raise KernelLimitError(f"tree reduction supports the TP degrees dividing V={v}; got {world}")
+    segments = v // world
     if k_local % segments:
         raise KernelLimitError(f"tree reduction: local K={k_local} must be divisible by {segments} segments")
     return segments
@@ -78,7 +101,7 @@ def _segments_for(world: int, k_local: int) -> int:
 
 def row_linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None) -> torch.Tensor:
     """Whole tree in plain torch (x [M, K], w [N, K] full, not sharded)."""
-    return matmul_reference(x, w, out_dtype or x.dtype, segments=VIRTUAL)
+    return matmul_reference(x, w, out_dtype or x.dtype, segments=tree_width())
 
 
 def finish_tree(root: torch.Tensor, group=None) -> torch.Tensor:
@@ -92,6 +115,8 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None) -> 
     """x [M, K/t], w [N, K/t] (this rank's shard) -> [M, N], identical on every rank and for
     every t. ``out_dtype=torch.float32`` returns the unrounded root."""
     segments = _segments_for(_world(group), x.shape[1])
+    if segments == 1 and _world(group) == 1:  # V = 1: no tree, the plain GEMM
+        return matmul(x, w, out_dtype or x.dtype)
     if _world(group) == 1 and not INTERPRETED:
         # the whole tree here: the tree kernel rounds the root itself (round to nearest even, as
         # torch's cast; GPU tier: test_row_linear_rounds_like_a_cast), no separate cast pass.

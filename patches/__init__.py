@@ -34,6 +34,9 @@ def apply_all(policy) -> Manifest:
     global _MANIFEST
     if _MANIFEST is not None and _MANIFEST.fingerprint == policy.contract.fingerprint:
         return _MANIFEST
+    from true_on_policy.kernels import tree_reduce
+
+    tree_reduce.use_tree_width(policy.contract.tree_width)  # before any layer is built
     records = [p.apply(policy) for p in PATCHES]
     _MANIFEST = Manifest(
         role=policy.role,

@@ -103,3 +103,30 @@ def test_tp_preview_contract_widens_only_tp_ep_and_pp():
     same = [r.dest for r in v1.args if r.dest not in ("tp_size", "ep_size", "pp_size")]
     assert all(pv.arg(d) == v1.arg(d) for d in same) and pv.env == v1.env and pv.numerics == v1.numerics
     assert "tp_preview" in v1.arg("tp_size").alternative
+
+
+FLAT = "qwen3_moe_true_on_policy_flat_v1"
+
+
+def test_flat_contract_is_v1_at_tree_width_1():
+    """The flat contract changes only the tree width (and the two ops it names) and the trainer
+    layouts that width forbids; v1 and the preview keep their pinned fingerprints, since a width
+    of 8 is not serialised."""
+    v1, flat = get_contract(NAME), get_contract(FLAT)
+    assert flat.tree_width == 1 and v1.tree_width == get_contract(PREVIEW).tree_width == 8
+    assert "tree_width" not in v1.to_dict() and flat.to_dict()["tree_width"] == 1
+    assert Contract.from_json(flat.canonical_json()) == flat and flat.fingerprint not in (v1.fingerprint,
+                                                                                          PREVIEW_FINGERPRINT)
+    changed = {a.op for a, b in zip(v1.numerics, flat.numerics, strict=True) if a != b}
+    assert changed == {"row_linear_tp_reduce", "moe_experts"}
+    assert all("tree width" in n.reduction_order + " ".join(n.rounding) for n in flat.numerics if n.op in changed)
+    assert flat.args == v1.args and flat.env == v1.env and flat.layouts.rollout_tp == (1,)
+    assert dict(flat.layouts.trainer)["tp"].startswith("1") and dict(flat.layouts.trainer)["expert_tp"].startswith("1")
+
+
+@pytest.mark.parametrize("width, tp, why", [(3, (1,), "tree_width must be 1, 2, 4 or 8"),
+                                            (2, (1, 2, 4), "do not divide tree_width 2")])
+def test_tree_width_is_validated(width, tp, why):
+    v1 = get_contract(NAME)
+    with pytest.raises(ValueError, match=why):
+        dataclasses.replace(v1, tree_width=width, layouts=dataclasses.replace(v1.layouts, rollout_tp=tp))

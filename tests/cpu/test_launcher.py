@@ -73,7 +73,8 @@ def test_dry_run_refuses_pp_layouts_the_model_cannot_split(tiny_cache):
 
 def test_unknown_contract(tiny_cache):
     r = _launch("--true-on-policy", "--true-on-policy-contract", "nope_v9", "--dry-run")
-    assert r.returncode == 2 and "known contracts: qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1" in r.stderr
+    assert r.returncode == 2 and ("known contracts: qwen3_moe_true_on_policy_flat_v1, "
+                                 "qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1") in r.stderr
 
 
 def test_dry_run_needs_true_on_policy():
@@ -157,7 +158,8 @@ def test_contract_flag_without_a_name_is_a_usage_error(capsys, argv):
 
     assert main(["--true-on-policy", *argv]) == 2
     assert capsys.readouterr().err == ("error: --true-on-policy-contract needs a contract name (known: "
-                                       "qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1)\n")
+                                       "qwen3_moe_true_on_policy_flat_v1, qwen3_moe_true_on_policy_tp_preview_v1, "
+                                       "qwen3_moe_true_on_policy_v1)\n")
 
 
 def test_routed_experts_and_tokenizer_workers_refused_at_launch(tiny_cache):

@@ -211,3 +211,33 @@ def test_logprob_kernel_entry_refuses_non_finite_temperature(temperature):
         _check(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), temperature, 8)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         _check(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, temperature]), 8)
+
+
+def test_flat_contract_sets_tree_width_1_and_a_second_width_is_refused(path):
+    """``patch_hf_model`` under the flat contract runs the process's row-parallel GEMMs at tree
+    width 1 (its manifest names the contract); a second model under v1 (width 8) in the same
+    process is refused before it is touched, since both would share the kernels' width."""
+    from helpers import run_py
+
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+from true_on_policy.kernels.tree_reduce import tree_width
+from true_on_policy.trainer import TrainerPatchError, patch_hf_model, token_logprobs
+m = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
+assert patch_hf_model(m, "qwen3_moe_true_on_policy_flat_v1").contract == "qwen3_moe_true_on_policy_flat_v1"
+assert tree_width() == 1
+lp = token_logprobs(m, torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0)))
+assert lp.shape == (2, 23) and torch.isfinite(lp).all()
+m2 = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
+try:
+    patch_hf_model(m2)
+except TrainerPatchError as e:
+    assert "width 1" in str(e) and "width 8" in str(e), e
+    assert not hasattr(m2.model.layers[0].self_attn, "_true_on_policy_ops")
+else:
+    raise AssertionError("a second tree width was accepted")
+print("ok")
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

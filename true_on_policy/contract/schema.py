@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 _SCALARS = (type(None), bool, int, float, str)
+TREE_WIDTH_DEFAULT = 8
 
 
 def _check_json_value(where: str, value: Any) -> None:
@@ -92,10 +93,21 @@ class Contract:
     args: tuple[ArgRule, ...]
     rl_on_policy_target: str
     notes: tuple[str, ...] = field(default=())
+    # V, the row-parallel GEMMs' tree width (o_proj, the MoE down projection): K in V fixed
+    # segments, so any TP degree dividing V gives the same bits; V = 1 is one plain K loop (no
+    # tree: fastest, TP of those layers impossible). Added after the first contracts: serialised
+    # only when it is not 8, so their fingerprints did not change.
+    tree_width: int = TREE_WIDTH_DEFAULT
 
     def __post_init__(self):
         if not self.name.endswith(f"_v{self.version}"):
             raise ValueError(f"contract name {self.name!r} must end with _v{self.version}")
+        if self.tree_width not in (1, 2, 4, 8):
+            raise ValueError(f"contract {self.name}: tree_width must be 1, 2, 4 or 8, got {self.tree_width!r}")
+        wide = [t for t in self.layouts.rollout_tp if self.tree_width % t]
+        if wide:
+            raise ValueError(f"contract {self.name}: rollout TP degrees {wide} do not divide tree_width "
+                             f"{self.tree_width}")
         for group in ("args", "env", "numerics"):
             keys = [getattr(x, "dest", None) or getattr(x, "name", None) or x.op for x in getattr(self, group)]
             dup = sorted({k for k in keys if keys.count(k) > 1})
@@ -104,7 +116,10 @@ class Contract:
 
     # --- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["tree_width"] == TREE_WIDTH_DEFAULT:
+            del d["tree_width"]
+        return d
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -191,4 +206,8 @@ def known_contracts() -> list[str]:
 
 
 def _load_builtin() -> None:
-    from true_on_policy.contract import qwen3_moe_tp_preview_v1, qwen3_moe_v1  # noqa: F401  (register on import)
+    from true_on_policy.contract import (  # noqa: F401  (register on import)
+        qwen3_moe_flat_v1,
+        qwen3_moe_tp_preview_v1,
+        qwen3_moe_v1,
+    )

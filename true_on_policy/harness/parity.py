@@ -130,10 +130,10 @@ def patched_response_logprobs(model, sequences, prompt_lens, temperature: float,
 
 
 def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float, trainer: str = "hf",
-                     batch_size: int = 8, max_tokens: int = 16384):
+                     batch_size: int = 8, max_tokens: int = 16384, contract: str | None = None):
     """Trainer recompute at each sampled token. ``hf``: stock transformers bf16, fp32
     log_softmax(logits / T), one sequence at a time. ``patched``: the same model through
-    ``true_on_policy.trainer`` (the contract's kernels), right-padded batches of ``batch_size``,
+    ``true_on_policy.trainer`` under ``contract`` (default: the main contract), right-padded batches of ``batch_size``,
     lm_head run only from the batch's shortest prompt on (``token_logprobs(..., logits_to_keep=)``)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -146,9 +146,10 @@ def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float
     info = {"trainer": f"transformers.Qwen3MoeForCausalLM ({trainer})", "dtype": "bfloat16",
             "attn_implementation": model.config._attn_implementation}
     if trainer == "patched":
+        from true_on_policy import DEFAULT_CONTRACT
         from true_on_policy.trainer import patch_hf_model
 
-        info["trainer_manifest"] = patch_hf_model(model).to_dict()
+        info["trainer_manifest"] = patch_hf_model(model, contract or DEFAULT_CONTRACT).to_dict()
         out = patched_response_logprobs(model, sequences, prompt_lens, temperature, batch_size, max_tokens, "cuda")
     elif trainer == "hf":
         with torch.no_grad():
@@ -197,7 +198,7 @@ def run(args) -> dict:
     all_prompts = prompts + (radix["prompts"] if radix else [])
     seqs = [p + toks for p, (toks, _) in zip(all_prompts, outs, strict=True)]
     trainer, trainer_info = trainer_logprobs(model_path, seqs, [len(p) for p in all_prompts], args.temperature,
-                                            args.trainer)
+                                            args.trainer, contract=args.contract)
     stats = compare([lps for _, lps in outs], trainer)
     contract = get_contract(args.contract or DEFAULT_CONTRACT)
     return {

@@ -32,12 +32,13 @@ import types
 
 import torch
 
-from true_on_policy.trainer import handshake
-from true_on_policy.trainer import hf as trainer
 from true_on_policy.contract import Contract, get_contract
 from true_on_policy.kernels import embedding as _emb
 from true_on_policy.kernels import rope as _rope
+from true_on_policy.kernels import tree_reduce as _tree
 from true_on_policy.megatron import comm, config, ops, pipeline
+from true_on_policy.trainer import handshake
+from true_on_policy.trainer import hf as trainer
 
 _STATE = "_true_on_policy_state"
 TrainerPatchError = trainer.TrainerPatchError
@@ -58,7 +59,7 @@ def _attention(st, att, a, cos, sin, b, s):
     v = qkv[:, :, group + 1].contiguous()
     q, k = ops.rope(q.view(n, -1, d), cos, sin), ops.rope(k.view(n, -1, d), cos, sin)
     out = ops.attention(q, k, v, b, s, d ** -0.5)
-    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, config.SEGMENTS // comm.world(g.tp))
+    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, _tree.tree_width() // comm.world(g.tp))
     return comm.tree(root, g.tp, scatter=g.sequence_parallel).to(a.dtype)
 
 
@@ -134,6 +135,16 @@ def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", p
         return state.record
     sp = model.true_on_policy_sequence_parallel if sequence_parallel is None else sequence_parallel
     groups, stage = comm.Groups.from_parallel_state(sp), pipeline.Stage.from_parallel_state()
+    narrow = [f"{name} {comm.world(g)} does not divide the contract's tree width {c.tree_width} (the row-parallel "
+              "GEMMs' segments) -> a contract of a wider tree, or that parallel degree 1"
+              for name, g in (("tensor parallel", groups.tp), ("expert tensor parallel", groups.etp))
+              if c.tree_width % comm.world(g)]
+    if narrow:
+        raise config.MegatronLayoutError("patch_megatron_model refused:\n  - " + "\n  - ".join(narrow))
+    try:
+        _tree.use_tree_width(c.tree_width)
+    except ValueError as e:
+        raise TrainerPatchError(f"patch_megatron_model: {e}") from None
     record = {"role": "trainer:megatron-core", "contract": c.name, "fingerprint": c.fingerprint,
               "provider": provider, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
                                                "etp": comm.world(groups.etp), "sequence_parallel": sp,

@@ -26,12 +26,26 @@ from true_on_policy.kernels import moe as _moe
 from true_on_policy.kernels import rmsnorm as _rms
 from true_on_policy.kernels import rope as _rope
 from true_on_policy.kernels import sampling as _smp
+from true_on_policy.kernels import tree_reduce as _tree
 from true_on_policy.megatron import comm
 from true_on_policy.trainer.providers import ReferenceBackward
 
 PROVIDERS = ("triton", "reference")
 F64 = torch.float64
-SEGMENTS = 8
+
+
+def _segments(group) -> int:
+    """This rank's segments of the row-parallel tree: the contract's width V (``use_tree_width``,
+    set by ``patch_megatron_model``) over the group's degree."""
+    return _tree.tree_width() // comm.world(group)
+
+
+def _row_root(x, w, s):
+    """fp32 root of this rank's subtree; one segment of a width-1 tree (no tree) is the plain
+    GEMM, as the rollout's ``row_linear`` computes it."""
+    if s == 1 and _tree.tree_width() == 1:
+        return _mm.matmul(x, w, torch.float32)
+    return _mm.split_matmul(x, w, s, torch.float32)
 
 
 def _wrap(fast, ref):
@@ -52,7 +66,7 @@ def _moe_reference(acc, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g)
     rank this is ``moe_reference`` op for op."""
     w, ids = _moe.route_reference(_mm.matmul_reference(x_own, router_w, acc=acc), top_k, norm)
     ids_all = comm.gather_ids(ids, g.tok)
-    segments = SEGMENTS // comm.world(g.etp)
+    segments = _segments(g.etp)
     e = torch.zeros(x_all.shape[0], top_k, x_all.shape[1], dtype=torch.float32, device=x_all.device)
     for ex, (w13, w2) in enumerate(zip(fc1, fc2, strict=True)):
         t, j = torch.where(ids_all == first + ex)
@@ -76,7 +90,7 @@ def _moe_triton(x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
     w, ids = _moe.route(_mm.matmul(x_own, router_w), top_k, norm)
     ids_all = comm.gather_ids(ids, g.tok)
     w13, w2 = torch.stack(list(fc1)), torch.stack(list(fc2))
-    segments = SEGMENTS // comm.world(g.etp)
+    segments = _segments(g.etp)
     e = _moe.expert_outputs(x_all, ids_all, w13, w2, first, segments).view(x_all.shape[0], top_k, -1)
     e = _own(comm.moe_reduce(e, g.etp, g.ep, None), x_own.shape[0], g.tok).reshape(-1, x_all.shape[1])
     return _moe.combine(e, torch.arange(e.shape[0], device=e.device).view(-1, top_k), w, x_own.dtype)
@@ -111,7 +125,7 @@ def get(name: str) -> SimpleNamespace:
             linear=_wrap(_mm.matmul, _mm.matmul_reference),
             lm_head=_wrap(lambda x, w: _mm.matmul(x, w, torch.float32, role="lm_head"),
                           lambda x, w: _mm.matmul_reference(x, w, torch.float32)),
-            row_root=_wrap(lambda x, w, s: _mm.split_matmul(x, w, s, torch.float32),
+            row_root=_wrap(_row_root,
                            lambda x, w, s: _mm.matmul_reference(x, w, torch.float32, segments=s)),
             rmsnorm=_wrap(_rms.rmsnorm, _rms.rmsnorm_reference),
             rope=_wrap(_rope.apply_rope, _rope.apply_rope_reference),

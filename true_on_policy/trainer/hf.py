@@ -22,6 +22,7 @@ import types
 import torch
 
 from true_on_policy.contract import get_contract
+from true_on_policy.kernels import tree_reduce as _tree
 from true_on_policy.manifest import Manifest, PatchRecord
 from true_on_policy.trainer import providers
 
@@ -130,6 +131,10 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
             raise TrainerPatchError(f"model already patched with {state['manifest'].contract}/{state['provider']}; "
                                     "call unpatch_hf_model(model) first")
         return state["manifest"]
+    try:
+        _tree.use_tree_width(c.tree_width)  # the row-parallel GEMMs' tree (one per process)
+    except ValueError as e:
+        raise TrainerPatchError(f"patch_hf_model(contract={contract!r}) refused: {e}") from None
     _register_attention(ops)
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}

@@ -89,7 +89,7 @@ def get(name: str) -> SimpleNamespace:
             name=name,
             linear=lambda x, w, dt=None: _mm.matmul_reference(x, w, dt, acc=F64),
             lm_head=lambda x, w: _mm.matmul_reference(x, w, torch.float32, acc=F64),
-            row_linear=lambda x, w: _mm.matmul_reference(x, w, segments=_tree.VIRTUAL, acc=F64),
+            row_linear=lambda x, w: _mm.matmul_reference(x, w, segments=_tree.tree_width(), acc=F64),
             rmsnorm=lambda x, w, eps: _rms.rmsnorm_reference(x, w, eps, acc=F64),
             rope=_rope.apply_rope_reference,
             attention=lambda *a: _ref_attention(*a, acc=F64),

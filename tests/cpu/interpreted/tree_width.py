@@ -1,0 +1,45 @@
+"""Interpreted (TRITON_INTERPRET=1): at tree width 1 (the flat contract) row_linear is the plain
+GEMM and the MoE down projection one K loop, both batch-invariant, close to their width-1
+references; TP over K is refused at width 1; the width is set once per process."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
+from helpers import expect_value_errors  # noqa: E402
+from true_on_policy.kernels import tree_reduce  # noqa: E402
+from true_on_policy.kernels.matmul import matmul, matmul_reference  # noqa: E402
+from true_on_policy.kernels.moe import moe, moe_reference  # noqa: E402
+from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reference, tree_width, use_tree_width  # noqa: E402
+
+g = torch.Generator().manual_seed(3)
+x = torch.randn(40, 256, generator=g).bfloat16()
+w = (torch.randn(96, 256, generator=g) * 0.05).bfloat16()
+tree8 = row_linear(x, w, out_dtype=torch.float32)  # before any contract: V = 8
+assert tree_width() == 8
+use_tree_width(1)
+assert tree_width() == 1
+flat = row_linear(x, w, out_dtype=torch.float32)
+assert torch.equal(flat, matmul(x, w, out_dtype=torch.float32))  # no tree: the column GEMM itself
+torch.testing.assert_close(flat, row_linear_reference(x, w, torch.float32), rtol=1e-5, atol=1e-5)
+assert torch.equal(row_linear_reference(x, w, torch.float32), matmul_reference(x, w, torch.float32, segments=1))
+assert not torch.equal(row_linear_reference(x, w, torch.float32),
+                       matmul_reference(x, w, torch.float32, segments=8))  # the width is what the reference sums
+for n in (1, 7, 33):  # batch invariance
+    assert torch.equal(row_linear(x[:n].clone(), w), row_linear(x, w)[:n]), n
+del tree8
+# the MoE block: the down projection as one K loop
+E, H, inter, k = 8, 64, 96, 2
+xm = torch.randn(13, H, generator=g).bfloat16()
+router = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
+w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).bfloat16()
+w2 = (torch.randn(E, H, inter, generator=g) * 0.05).bfloat16()
+y = moe(xm, router, w13, w2, k)
+torch.testing.assert_close(y.float(), moe_reference(xm, router, w13, w2, k, acc=torch.float64).float(),
+                           rtol=2e-2, atol=2e-2)
+for n in (1, 5, 12):
+    assert torch.equal(moe(xm[:n].clone(), router, w13, w2, k), y[:n]), n
+# TP over K has no segments to split at width 1; a second width in this process is refused
+expect_value_errors(lambda: tree_reduce._segments_for(2, 128), lambda: use_tree_width(8), lambda: use_tree_width(3))
+use_tree_width(1)  # the same width again is fine
+print("interpreted-ok")
