@@ -9,7 +9,10 @@ drives: same server arguments, CUDA graphs captured up to the largest batch, T =
 log-probs on, one seed per request), the way ``sglang.benchmark.one_batch`` drives it:
 
 - stock: SGLang 0.5.17 as a user runs it (triton attention, pytorch sampling);
-- tpo: the contract's resolved server arguments and environment, every patch applied.
+- tpo: the contract's resolved server arguments and environment, every patch applied;
+- tpo_flat (``--variants stock tpo tpo_flat``): the same under the flat contract (tree width 1).
+
+The ratio column is the last variant's time over the first's.
 
 For each decode batch B: B prompts of ``--context`` tokens are prefilled, 3 decode steps warm
 up, ``--steps`` steps run under ``torch.profiler`` (kernels launched from graph replays are
@@ -30,7 +33,8 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("stock", "tpo")
+VARIANTS = ("stock", "tpo", "tpo_flat")  # tpo_flat: the flat contract (tree width 1); not run by default
+FLAT = "qwen3_moe_true_on_policy_flat_v1"
 # kernel-name pattern -> op (first match wins); unmatched names are "other"
 OPS = [
     (r"_matmul_tma_kernel|nvjet|gemm|cutlass|sm90_xmma|cublas", "dense GEMM"),
@@ -89,7 +93,7 @@ def _server_args(variant: str, model_path: str, max_bs: int, manifest_dir: str):
     from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs
     from true_on_policy.contract.policy import RuntimePolicy
 
-    plan = build_plan_from_kwargs(get_contract(DEFAULT_CONTRACT), kw)
+    plan = build_plan_from_kwargs(get_contract(FLAT if variant == "tpo_flat" else DEFAULT_CONTRACT), kw)
     apply_env(plan, manifest_dir)
     patches.apply_all(RuntimePolicy.from_env("scheduler"))  # what the plugin does in a scheduler
     return plan.server_args
@@ -237,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=["stock", "tpo"], choices=VARIANTS)
     p.add_argument("--out")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)

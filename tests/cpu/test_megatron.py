@@ -251,3 +251,33 @@ def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):
     tm.load_hf(m, ckpt)
     tm.patch_megatron_model(m)
     _launch(three, _tp1_reference(m, tmp_path / "tp1.pt"), 2, ["pp2u"])
+
+
+def test_flat_contract_tp1_equals_patched_hf_at_tree_width_1(path):
+    """Under the flat contract (a fresh process: the tree width is set once per process) Megatron
+    TP1 and the patched HF trainer both run at width 1 and agree bitwise."""
+    from helpers import run_py
+
+    code = f"""
+import torch, torch.distributed as dist
+from megatron.core import parallel_state as ps
+from transformers import AutoModelForCausalLM
+from true_on_policy import megatron as tm, trainer
+from true_on_policy.kernels.tree_reduce import tree_width
+FLAT = "qwen3_moe_true_on_policy_flat_v1"
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+ps.initialize_model_parallel(1, 1)
+hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
+m = tm.build_model(hf.config)
+tm.load_hf(m, hf.state_dict())
+assert tm.patch_megatron_model(m, FLAT)["contract"] == FLAT and tree_width() == 1
+trainer.patch_hf_model(hf, FLAT)
+g = torch.Generator().manual_seed(0)
+ids, mask = trainer.right_pad([torch.randint(0, 512, (n,), generator=g) for n in (33, 20, 9)])
+with torch.no_grad():
+    a, b = tm.token_logprobs(m, ids, mask), trainer.token_logprobs(hf, ids, mask)
+assert torch.equal(a, b), (a - b).abs().max()
+print("ok")
+"""
+    r = run_py(code, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
