@@ -131,9 +131,9 @@ def row_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group, out_dtype
     world = _world(group)
     if x.shape[0] % world:
         raise KernelLimitError(f"reduce-scatter form: rows {x.shape[0]} must divide by the group size {world}")
-    root = split_matmul(x, w, _segments_for(world, x.shape[1]), torch.float32)
     if world == 1:
-        return root.to(out_dtype or x.dtype)
+        return row_linear(x, w, None, out_dtype)  # one rank holds every row: the plain form (any width)
+    root = split_matmul(x, w, _segments_for(world, x.shape[1]), torch.float32)
     send = list(root.chunk(world, dim=0))
     recv = [torch.empty_like(send[0]) for _ in range(world)]
     torch_group = group.device_group if _is_coordinator(group) else group  # (an exact exchange either way)

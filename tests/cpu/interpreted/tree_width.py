@@ -10,17 +10,25 @@ from helpers import expect_value_errors  # noqa: E402
 from true_on_policy.kernels import tree_reduce  # noqa: E402
 from true_on_policy.kernels.matmul import matmul, matmul_reference  # noqa: E402
 from true_on_policy.kernels.moe import moe, moe_reference  # noqa: E402
-from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reference, tree_width, use_tree_width  # noqa: E402
+from true_on_policy.kernels.tree_reduce import (  # noqa: E402
+    row_linear,
+    row_linear_reduce_scatter,
+    row_linear_reference,
+    tree_width,
+    use_tree_width,
+)
 
 g = torch.Generator().manual_seed(3)
 x = torch.randn(40, 256, generator=g).bfloat16()
 w = (torch.randn(96, 256, generator=g) * 0.05).bfloat16()
 tree8 = row_linear(x, w, out_dtype=torch.float32)  # before any contract: V = 8
 assert tree_width() == 8
+assert torch.equal(row_linear_reduce_scatter(x, w, None, torch.float32), tree8)  # one rank: the whole form
 use_tree_width(1)
 assert tree_width() == 1
 flat = row_linear(x, w, out_dtype=torch.float32)
 assert torch.equal(flat, matmul(x, w, out_dtype=torch.float32))  # no tree: the column GEMM itself
+assert torch.equal(row_linear_reduce_scatter(x, w, None, torch.float32), flat)
 torch.testing.assert_close(flat, row_linear_reference(x, w, torch.float32), rtol=1e-5, atol=1e-5)
 assert torch.equal(row_linear_reference(x, w, torch.float32), matmul_reference(x, w, torch.float32, segments=1))
 assert not torch.equal(row_linear_reference(x, w, torch.float32),
