@@ -16,7 +16,7 @@ by the collective). Forms:
 
 V is the contract's ``tree_width`` (8 unless the contract says otherwise), set once per process
 by whoever applies the contract (``use_tree_width``: the SGLang patches, ``patch_hf_model``,
-the Megatron forward). At V = 1 there is no tree: ``row_linear`` is ``matmul`` (one fp32 K loop,
+``patch_megatron_model``). At V = 1 there is no tree: ``row_linear`` is ``matmul`` (one fp32 K loop,
 the column GEMM's tiles and bits) and TP of these layers is refused.
 A ``group`` is a ``torch.distributed`` process group or an SGLang ``GroupCoordinator`` (whose
 collectives switch to its graph-capturable pynccl communicator inside CUDA-graph capture);
