@@ -37,6 +37,19 @@ def expect_value_errors(*calls) -> None:
         raise AssertionError(f"bad input #{i} accepted")
 
 
+def random_moe(g, tokens: int, experts: int, hidden: int, inter: int, router_scale: float, weight_scale: float):
+    """A random bf16 MoE block for the interpreted kernel scripts: x [tokens, hidden], router
+    [experts, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter], drawn from
+    ``g`` in that order."""
+    import torch
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+    return (r(tokens, hidden), r(experts, hidden, scale=router_scale),
+            r(experts, 2 * inter, hidden, scale=weight_scale), r(experts, hidden, inter, scale=weight_scale))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,8 +2,13 @@
 all-gather form, MoE expert-TP and EP, and at 4+ ranks both at once (TP 2 x EP world/2), vocab-parallel
 log-probs, an odd vocabulary too) are bitwise equal to one process.
 Run: python -m torch.distributed.run --nproc_per_node {2,4,8} THIS."""
+import sys
+
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
+from helpers import random_moe  # noqa: E402
 from true_on_policy.kernels.logprobs import token_logprobs
 from true_on_policy.kernels.moe import moe, tp_shard
 from true_on_policy.kernels.tree_reduce import gather_stacked, rank_in, row_linear
@@ -22,10 +27,7 @@ xs, ws = x[:, rank * k:(rank + 1) * k].contiguous(), w[:, rank * k:(rank + 1) * 
 assert torch.equal(row_linear(xs, ws, group=G), full)
 # the reduce-scatter form needs all_to_all, which gloo lacks (checked on NCCL in the GPU tier)
 h, e, kk, inter = 64, 8, 2, 128
-xt = torch.randn(5, h, generator=g).bfloat16()
-rw = (torch.randn(e, h, generator=g) * 0.05).bfloat16()
-w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.05).bfloat16()
-w2 = (torch.randn(e, h, inter, generator=g) * 0.05).bfloat16()
+xt, rw, w13, w2 = random_moe(g, 5, e, h, inter, router_scale=0.05, weight_scale=0.05)
 y = moe(xt, rw, w13, w2, kk)
 assert torch.equal(moe(xt, rw, *tp_shard(w13, w2, rank, world), kk, tp_group=G), y)
 n = e // world

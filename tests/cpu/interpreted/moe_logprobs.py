@@ -5,7 +5,7 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
-from helpers import expect_value_errors  # noqa: E402
+from helpers import expect_value_errors, random_moe  # noqa: E402
 from true_on_policy.kernels.logprobs import (
     SHARDS,
     _tree,
@@ -21,10 +21,7 @@ from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_referen
 
 g = torch.Generator().manual_seed(0)
 T, H, E, I, K = 37, 64, 8, 32, 2
-x = torch.randn(T, H, generator=g).bfloat16()
-rw = (torch.randn(E, H, generator=g) * 0.2).bfloat16()
-w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
-w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+x, rw, w13, w2 = random_moe(g, T, E, H, I, router_scale=0.2, weight_scale=0.1)
 y = moe(x, rw, w13, w2, K)
 torch.testing.assert_close(y.float(), moe_reference(x, rw, w13, w2, K).float(), rtol=5e-2, atol=5e-2)
 for n in (1, 2, 5):

@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
-from helpers import expect_value_errors  # noqa: E402
+from helpers import expect_value_errors, random_moe  # noqa: E402
 from true_on_policy.kernels import tree_reduce  # noqa: E402
 from true_on_policy.kernels.matmul import matmul, matmul_reference  # noqa: E402
 from true_on_policy.kernels.moe import moe, moe_reference  # noqa: E402
@@ -37,11 +37,8 @@ for n in (1, 7, 33):  # batch invariance
     assert torch.equal(row_linear(x[:n].clone(), w), row_linear(x, w)[:n]), n
 del tree8
 # the MoE block: the down projection as one K loop
-E, H, inter, k = 8, 64, 96, 2
-xm = torch.randn(13, H, generator=g).bfloat16()
-router = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
-w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).bfloat16()
-w2 = (torch.randn(E, H, inter, generator=g) * 0.05).bfloat16()
+k = 2
+xm, router, w13, w2 = random_moe(g, 13, 8, 64, 96, router_scale=0.1, weight_scale=0.05)
 y = moe(xm, router, w13, w2, k)
 torch.testing.assert_close(y.float(), moe_reference(xm, router, w13, w2, k, acc=torch.float64).float(),
                            rtol=2e-2, atol=2e-2)
