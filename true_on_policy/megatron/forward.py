@@ -37,6 +37,7 @@ from true_on_policy.kernels import embedding as _emb
 from true_on_policy.kernels import rope as _rope
 from true_on_policy.kernels import tree_reduce as _tree
 from true_on_policy.megatron import comm, config, ops, pipeline
+from true_on_policy.megatron.ops import tree_segments
 from true_on_policy.trainer import handshake
 from true_on_policy.trainer import hf as trainer
 
@@ -59,7 +60,7 @@ def _attention(st, att, a, cos, sin, b, s):
     v = qkv[:, :, group + 1].contiguous()
     q, k = ops.rope(q.view(n, -1, d), cos, sin), ops.rope(k.view(n, -1, d), cos, sin)
     out = ops.attention(q, k, v, b, s, d ** -0.5)
-    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, _tree.tree_width() // comm.world(g.tp))
+    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, tree_segments(g.tp))
     return comm.tree(root, g.tp, scatter=g.sequence_parallel).to(a.dtype)
 
 

@@ -34,7 +34,7 @@ PROVIDERS = ("triton", "reference")
 F64 = torch.float64
 
 
-def _segments(group) -> int:
+def tree_segments(group) -> int:
     """This rank's segments of the row-parallel tree: the contract's width V (``use_tree_width``,
     set by ``patch_megatron_model``) over the group's degree."""
     return _tree.tree_width() // comm.world(group)
@@ -66,7 +66,7 @@ def _moe_reference(acc, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g)
     rank this is ``moe_reference`` op for op."""
     w, ids = _moe.route_reference(_mm.matmul_reference(x_own, router_w, acc=acc), top_k, norm)
     ids_all = comm.gather_ids(ids, g.tok)
-    segments = _segments(g.etp)
+    segments = tree_segments(g.etp)
     e = torch.zeros(x_all.shape[0], top_k, x_all.shape[1], dtype=torch.float32, device=x_all.device)
     for ex, (w13, w2) in enumerate(zip(fc1, fc2, strict=True)):
         t, j = torch.where(ids_all == first + ex)
@@ -90,7 +90,7 @@ def _moe_triton(x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
     w, ids = _moe.route(_mm.matmul(x_own, router_w), top_k, norm)
     ids_all = comm.gather_ids(ids, g.tok)
     w13, w2 = torch.stack(list(fc1)), torch.stack(list(fc2))
-    segments = _segments(g.etp)
+    segments = tree_segments(g.etp)
     e = _moe.expert_outputs(x_all, ids_all, w13, w2, first, segments).view(x_all.shape[0], top_k, -1)
     e = _own(comm.moe_reduce(e, g.etp, g.ep, None), x_own.shape[0], g.tok).reshape(-1, x_all.shape[1])
     return _moe.combine(e, torch.arange(e.shape[0], device=e.device).view(-1, top_k), w, x_own.dtype)
