@@ -4,19 +4,24 @@ computes the bits of the form the rollout runs today (speed decides only among c
 the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
-        [--gemms down gate_up o_proj qkv router qk_norm align combine] [--out X.json]
+        [--gemms down down_flat gate_up o_proj o_proj_flat qkv router qk_norm align combine] [--copies 1] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 
 - down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
   (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop).
+- down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
+  reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: other TMA tiles.
 - gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: weights by TMA
   (``grouped_tma``), other pointer tiles.
 - o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
-- qkv [T, 2048] @ [5120, 2048] and router [T, 2048] @ [128, 2048]: reference the TMA "plain"
-  tiles; candidates: other TMA tiles.
+- qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
+  [2048, 4096] (o_proj at tree width 1: one plain GEMM): reference ``matmul`` with the role the
+  rollout passes ("plain", "router", "row"); candidates: other TMA tiles. ``--copies N`` times
+  these three over N copies of the weight, one after the other (a row's time is the total over
+  N divided by N), so that the weights come from HBM as in the model's layer stack, not from the 50 MB L2.
 - o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
@@ -60,14 +65,24 @@ UP_TMA = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
           dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
           dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)]
+          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)]
 DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
-         dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)]
+         dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3),
+         dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
+         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+         dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]
+ROLE = {"qkv": "plain", "router": "router", "o_proj_flat": "row"}  # the role the rollout passes
 FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=2, FLAT=True),
@@ -103,7 +118,7 @@ def _cases(gemm, t, g, w, mm, moe):
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.tree_reduce import row_linear
 
-    if gemm in ("down", "gate_up"):
+    if gemm in ("down", "down_flat", "gate_up"):
         ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
         rows, be, _, own = moe.align(ids, 0, E)
         used = (be >= 0).repeat_interleave(mm.ALIGN)
@@ -125,6 +140,18 @@ def _cases(gemm, t, g, w, mm, moe):
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
         cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(INTER // 8, c["BK"])]
         return ref, cands, mask, touched * H * INTER * 2
+    if gemm == "down_flat":  # tree width 1: the down projection as one plain grouped GEMM, fp32 out
+        h = torch.randn(rows.shape[0], INTER, device="cuda", generator=g).bfloat16()
+        mask = used & (own >= 0)
+
+        def ref():
+            return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 1, tree=False)
+
+        def tma(cfg):
+            out = torch.empty(rows.shape[0], H, dtype=torch.float32, device="cuda")
+            b = bexp(cfg["BLOCK_M"])
+            return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg)
+        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * H * INTER * 2
     if gemm == "gate_up":
         x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
         mask, n = used & (rows >= 0), 2 * INTER
@@ -179,20 +206,34 @@ def _cases(gemm, t, g, w, mm, moe):
         p2 = pos.view(t, K_TOP)
         cands = [("combine", {"hblock": hb}, lambda hb=hb: moe.combine(e_out, p2, wts, hblock=hb)) for hb in HBLOCKS]
         return lambda: moe.combine(e_out, p2, wts), cands, None, t * K_TOP * H * 4 + t * H * 2
-    n = QKV if gemm == "qkv" else E
-    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    wt = w["qkv"] if gemm == "qkv" else w["router"]
+    key = {"qkv": "qkv", "router": "router", "o_proj_flat": "o"}[gemm]
+    copies = w[key + "_copies"]
+    n, k = copies[0].shape
+    x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+    role = ROLE[gemm]
 
-    def ref():
-        return mm.matmul(x, wt)
+    def ref():  # the last copy's output is compared; every copy is timed
+        for wc in copies:
+            y = mm.matmul(x, wc, role=role)
+        return y
 
     def tma(cfg):
         out = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
-        return lambda: mm._launch_tma(x, wt, out, cfg)
-    return ref, [("tma", c, tma(c)) for c in DENSE], None, n * H * 2
+
+        def run():
+            for wc in copies:
+                mm._launch_tma(x, wc, out, cfg)
+            return out
+        return run
+
+    def cublas():  # stock's GEMM (torch.mm): timed for scale, other bits
+        for wc in copies:
+            y = x @ wc.T
+        return y
+    return ref, [("tma", c, tma(c)) for c in DENSE] + [("cuBLAS", {}, cublas)], None, n * k * 2
 
 
-def run(tokens, gemms):
+def run(tokens, gemms, copies=1):
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.moe as moe
 
@@ -202,6 +243,9 @@ def run(tokens, gemms):
          "o": (torch.randn(H, O_IN, device="cuda", generator=g) * 0.02).bfloat16(),
          "qkv": (torch.randn(QKV, H, device="cuda", generator=g) * 0.02).bfloat16(),
          "router": (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()}
+    for key in ("qkv", "router", "o"):  # the dense GEMMs' weights, once each plus copies-1 more
+        w[key + "_copies"] = [w[key]] + [(torch.randn(*w[key].shape, device="cuda", generator=g) * 0.02).bfloat16()
+                                         for _ in range(copies - 1)]
     out_rows = []
     print("| gemm | tokens | form / tiles | ms | GB/s of weights | bits == reference |\n|---|---:|---|---:|---:|---|",
           flush=True)
@@ -210,9 +254,10 @@ def run(tokens, gemms):
             ref_fn, cands, mask, wbytes = _cases(gemm, t, g, w, mm, moe)
             ref = ref_fn()
             ref = ref[mask] if mask is not None else ref
+            per = copies if gemm in ROLE else 1  # dense GEMMs run once per weight copy
             for name, cfg, fn in [("reference", {}, ref_fn)] + cands:
                 try:
-                    ms = _time(fn)
+                    ms = _time(fn) / per
                     got = fn()
                     got = got[mask] if mask is not None else got
                     same = bool(torch.equal(got, ref))
@@ -220,7 +265,7 @@ def run(tokens, gemms):
                     print(f"| {gemm} | {t} | {_tag(name, cfg) if cfg else name} | failed: {type(e).__name__}: "
                           f"{str(e)[:90]} | | |", flush=True)
                     continue
-                tag = _tag(name, cfg) if cfg else "reference"
+                tag = _tag(name, cfg) if cfg else name
                 print(f"| {gemm} | {t} | {tag} | {ms:.4f} | {wbytes / ms / 1e6:.0f} | {same} |", flush=True)
                 out_rows.append({"gemm": gemm, "tokens": t, "form": tag, "ms": ms, "weight_gbps": wbytes / ms / 1e6,
                                  "same_bits": same})
@@ -241,16 +286,18 @@ def run(tokens, gemms):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
-    ops = ("down", "gate_up", "o_proj", "qkv", "router", "qk_norm", "align", "combine")
+    ops = ("down", "down_flat", "gate_up", "o_proj", "o_proj_flat", "qkv", "router", "qk_norm", "align", "combine")
     ap.add_argument("--gemms", nargs="+", choices=ops, default=list(ops))
+    ap.add_argument("--copies", type=int, default=1,
+                    help="time qkv, router and o_proj_flat over this many copies of the weight (HBM, not L2)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/gemm_sweep.py", *argv])
-    rows = run(a.tokens, a.gemms)
+    rows = run(a.tokens, a.gemms, a.copies)
     if a.out:
-        write_evidence(a.out, {"rows": rows}, prov)
+        write_evidence(a.out, {"copies": a.copies, "rows": rows}, prov)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Kernel benchmark at Qwen3-30B-A3B shapes: our invariant kernels vs the usual fast path.
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/kernels.py [--tokens 1 64 4096] [--out bench.json]
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/kernels.py [--tokens 1 64 4096] [--tree-width 8] [--out bench.json]
+
+``--tree-width 1`` times the flat contract's forms (o_proj one plain GEMM, the MoE down
+projection one plain grouped GEMM); the width is set once per process, so each width is its own run.
 
 Prints one table: op, tokens, our median time, the baseline's median time and the speed ratio
 (baseline time / our time; 1.0 = as fast). Medians of ``triton.testing.do_bench_cudagraph``
@@ -25,7 +28,7 @@ from true_on_policy.kernels.moe import moe
 from true_on_policy.kernels.rmsnorm import rmsnorm
 from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
 from true_on_policy.kernels.sampling import sample
-from true_on_policy.kernels.tree_reduce import row_linear
+from true_on_policy.kernels.tree_reduce import row_linear, tree_width, use_tree_width
 
 H, HQ, HKV, D, E, K, INTER, VOCAB, CTX, MAX_CTX = 2048, 32, 4, 128, 128, 8, 768, 151936, 1024, 40960
 
@@ -187,7 +190,8 @@ def rows_for(t):
         out.append((op, t, lambda xa=xa, wa=wa, role=role: matmul(xa, wa, role=role), "cuBLAS (torch.mm)",
                     lambda xa=xa, wa=wa: xa @ wa.T))
     xo, wo = _r(t, HQ * D), _r(H, HQ * D, scale=0.02)
-    out.append(("o_proj GEMM + tree (TP1)", t, lambda: row_linear(xo, wo), "cuBLAS (torch.mm)", lambda: xo @ wo.T))
+    o_name = "o_proj GEMM + tree (TP1)" if tree_width() > 1 else "o_proj GEMM (tree width 1)"
+    out.append((o_name, t, lambda: row_linear(xo, wo), "cuBLAS (torch.mm)", lambda: xo @ wo.T))
     q = _r(t, HQ + HKV, D)
     c, s = cos_sin(torch.arange(t, device="cuda"), D, 1e6)
     out.append(("rope (q and k heads)", t, lambda: apply_rope(q, c, s), "torch fp32 (reference)",
@@ -230,7 +234,8 @@ def rows_for(t):
         base = ("router (torch) + sglang fused_moe", base_moe)
     else:
         base = ("n/a (sglang not importable)", None)
-    out.append(("MoE block (E128 top8)", t, lambda: moe(xm, rw, w13, w2, K), *base))
+    moe_name = "MoE block (E128 top8)" + ("" if tree_width() > 1 else ", tree width 1")
+    out.append((moe_name, t, lambda: moe(xm, rw, w13, w2, K), *base))
     lg, tok = _r(t, VOCAB, scale=3), torch.randint(0, VOCAB, (t,), device="cuda")
     out.append(("token log-probs", t, lambda: token_logprobs(lg, tok, 0.7, validate=False), "torch log_softmax+gather",
                 lambda: torch.log_softmax(lg.float() / 0.7, -1).gather(-1, tok[:, None])))
@@ -291,8 +296,12 @@ def main(argv=None):
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
                     help="graph: CUDA-graph replays, the GPU's time (default); eager: plain launches")
     ap.add_argument("--attention-sweep", action="store_true", help="only the attention configs")
+    ap.add_argument("--tree-width", type=int, choices=(1, 8), default=8,
+                    help="the contract's tree width: 8 (qwen3_moe_true_on_policy_v1), 1 (the flat contract)")
     args = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
+
+    use_tree_width(args.tree_width)
 
     prov = provenance(None if argv is None else ["python", "benchmarks/kernels.py", *argv])
     TIMING["mode"] = args.timing
@@ -323,7 +332,7 @@ def main(argv=None):
         print(f"baseline {name} not importable: {err}")
     swept = sweep(args.tokens) if args.sweep or args.sweep_only else None
     if args.out:
-        write_evidence(args.out, {"timing": TIMING, "rows": table, "baseline_import_errors": IMPORT_ERRORS,
+        write_evidence(args.out, {"timing": TIMING, "tree_width": tree_width(), "rows": table, "baseline_import_errors": IMPORT_ERRORS,
                                   "sweep": swept}, prov)
 
 

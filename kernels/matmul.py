@@ -239,6 +239,7 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep:
 # 0.005 / 0.005 / 0.005 / 0.007 ms at 1 / 64 / 256 / 4096 tokens against "plain"'s 0.011-0.012).
 TMA = {"plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+       "row": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
        "lm_head": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
        "router": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
 GROUP_M = 8

@@ -116,7 +116,7 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None) -> 
     every t. ``out_dtype=torch.float32`` returns the unrounded root."""
     segments = _segments_for(_world(group), x.shape[1])
     if segments == 1 and _world(group) == 1:  # V = 1: no tree, the plain GEMM
-        return matmul(x, w, out_dtype or x.dtype)
+        return matmul(x, w, out_dtype or x.dtype, role="row")
     if _world(group) == 1 and not INTERPRETED:
         # the whole tree here: the tree kernel rounds the root itself (round to nearest even, as
         # torch's cast; GPU tier: test_row_linear_rounds_like_a_cast), no separate cast pass.

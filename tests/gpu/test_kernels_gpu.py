@@ -83,7 +83,8 @@ def test_rmsnorm(h, gpu_evidence):
                          (out == ref).double().mean().item(), "batch_invariant_counts": COUNTS})
 
 
-@pytest.mark.parametrize("n_out,k,out_dtype", [(5120, 2048, torch.bfloat16), (151936, 2048, torch.float32),
+@pytest.mark.parametrize("n_out,k,out_dtype", [(5120, 2048, torch.bfloat16), (2048, 4096, torch.bfloat16),
+                                               (151936, 2048, torch.float32),
                                                (136, 2048, torch.bfloat16), (1000, 640, torch.float32)])
 def test_matmul_tma_equals_pointer_path(n_out, k, out_dtype, gpu_evidence):
     """The TMA fast path computes the same elements as the pointer-load kernel, bit for bit, so
