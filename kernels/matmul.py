@@ -238,8 +238,45 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
 # router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep:
 # 0.005 / 0.005 / 0.005 / 0.007 ms at 1 / 64 / 256 / 4096 tokens against "plain"'s 0.011-0.012).
+#
+# Tile tables (tree width 1, the flat contract's o_proj and MoE down projection): the tile
+# depends on the row count, from a table of tiles that all compute the same bits: each runs the
+# same 16-wide MMA steps over K from k = 0 upward into one fp32 accumulator, no split-K, and a
+# tile only decides which programs compute which elements (GPU tier: every tile of every table
+# == the pointer kernel, bitwise, at 1 to 4096 rows; and the batch-invariance tests cross the
+# table's bounds). A table is ((largest row count, tiles), ..., (None, tiles)); the first bound
+# that holds is used. Tiles: benchmarks/gemm_sweep.py --copies 8 (weights from HBM), evidence
+# bench-tiles-59561ae.json. o_proj [T, 4096] @ [2048, 4096]: 64x64x128 0.0141 / 0.0127 / 0.0130 ms
+# at 1 / 64 / 256 rows against 128x128x64's 0.0229 / 0.0231 / 0.0238; 128x128x64 is the fastest at
+# 4096 (0.116 against 0.189).
+DECODE_ROWS = 256  # the largest decode batch of the bounds below (SGLang's graphs on one H200)
+ROW_TMA = ((DECODE_ROWS, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+           (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)))
+# The down projection as one plain grouped GEMM (``grouped_matmul(role="down", tree=False)``), by
+# the call's token count: 32x128x64 0.0159 / 0.1097 / 0.1134 ms at 1 / 64 / 256 tokens against
+# GROUPED_UP_TMA's 0.0152 / 0.1227 / 0.1262; 128x256x64 0.380 against 0.437 at 4096.
+DOWN_TMA = ((DECODE_ROWS, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
+            (None, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)))
+
+
+def by_rows(tiles, rows: int) -> dict:
+    """The tiles for ``rows`` rows: ``tiles`` itself when it is one tile, else the first entry of
+    the table whose bound holds."""
+    if isinstance(tiles, dict):
+        return tiles
+    for bound, cfg in tiles:
+        if bound is None or rows <= bound:
+            return cfg
+    raise KernelLimitError(f"tile table without a final unbounded entry: {tiles}")
+
+
+def table_tiles(tiles) -> list[dict]:
+    """Every tile of a table (or the one tile): what the GPU tier checks bit for bit."""
+    return [tiles] if isinstance(tiles, dict) else [cfg for _, cfg in tiles]
+
+
 TMA = {"plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-       "row": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+       "row": ROW_TMA,
        "lm_head": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
        "router": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
 GROUP_M = 8
@@ -382,8 +419,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     """Launcher: x [M, K], w [N, K] -> [M, N] in ``out_dtype`` (default x.dtype; fp32 keeps the
     unrounded accumulator). Tree GEMMs (``tree=True``, default when ``segments > 1``) use the
     ROW tiles whatever their local segment count, so a TP=8 rank's single segment is computed
-    exactly like one of TP=1's eight. ``role`` ("plain", "lm_head" or "router") picks the TMA tiles
-    of a plain GEMM; every tile computes the same bits (GPU tier), the role only sets the speed."""
+    exactly like one of TP=1's eight. ``role`` ("plain", "lm_head", "router" or "row": o_proj at tree
+    width 1, whose tiles follow the row count, ``ROW_TMA``) picks the TMA tiles of a plain GEMM;
+    every tile computes the same bits (GPU tier), the role only sets the speed."""
     _check(x, w, "matmul")
     if w.dim() != 2:
         raise KernelLimitError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
@@ -392,20 +430,23 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
-        return _launch_tma(x, w, out, TMA[role])
+        return _launch_tma(x, w, out, by_rows(TMA[role], x.shape[0]))
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
 
 
 ALIGN = 128  # expert groups are padded to this many rows (a multiple of both tiles' BLOCK_M)
 
 
-def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, tree: bool | None = None):
+def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, tree: bool | None = None,
+                   role: str = "plain", tokens: int | None = None):
     """Per-expert GEMM over an expert-sorted row table (see ``moe.align``).
 
     x [T, K]; w [E, N, K]; rows [P] (int, index into x or -1 for padding; P a multiple of
     ALIGN); block_expert [P / ALIGN] (expert of each ALIGN-row block, -1 = unused block).
     Returns [P, N]; padding rows and unused blocks are left undefined (never read). Row p depends only on x[rows[p]]
     and w[expert]: never on how many rows its expert (or any other) received.
+    ``role="down"`` with ``tokens`` (the MoE call's token count): a plain (tree-width-1) down
+    projection takes ``DOWN_TMA``'s tiles for that count (the same bits as every other tile).
     """
     _check(x, w, "grouped_matmul")
     from true_on_policy.kernels import grouped_tma, seg_tree
@@ -415,8 +456,11 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
     k = x.shape[1]
     cfg = _tiles(segments, tree, k)
+    if role not in ("plain", "down") or (role == "down" and tokens is None):
+        raise KernelLimitError(f"grouped_matmul: role must be 'plain' or 'down' (with tokens), got {role!r}, {tokens!r}")
+    tma_cfg = by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
     if cfg is COLUMN and grouped_tma.usable(x, w):
-        cfg = GROUPED_UP_TMA
+        cfg = tma_cfg
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
@@ -425,7 +469,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     per = ALIGN // cfg["BLOCK_M"]
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
-    if cfg is GROUPED_UP_TMA:
+    if cfg is tma_cfg:
         return grouped_tma.launch(x, w, out, rows, block_expert, rows.shape[0], cfg)
     if cfg is ROW_SEG:
         return seg_tree.launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)

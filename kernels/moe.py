@@ -304,8 +304,11 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.T
 
 def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments):
     h = silu_mul(grouped_matmul(x, w13, rows, block_expert), pos)
-    # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop
-    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1)
+    # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop; at tree
+    # width 1 (the flat contract) with the tiles of matmul.DOWN_TMA for this token count
+    flat = tree_width() == 1
+    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1,
+                          role="down" if flat else "plain", tokens=x.shape[0] if flat else None)
 
 
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None):

@@ -106,8 +106,9 @@ def test_tp_preview_contract_widens_only_tp_ep_and_pp():
 
 
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
-# pinned: the flat contract's evidence (43bf919) names this fingerprint
-FLAT_FINGERPRINT = "88c9bcdf343d1175cb5f512b98323e0e38629af2c6aa6f02adddcb5f881cc2c5"
+# pinned: the flat contract's evidence names this fingerprint (the tile tables' text; 43bf919's
+# evidence was 88c9bcdf..., the same bits with fixed tiles)
+FLAT_FINGERPRINT = "4e8d94bf364291f0c1104b4fddb06fccc2258c46550de9547edccbdb736b4bca"
 
 
 def test_flat_contract_is_v1_at_tree_width_1():

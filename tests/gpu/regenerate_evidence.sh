@@ -60,7 +60,10 @@ case $GROUP in
   sweep)  # every GEMM of a layer and the prefill glue kernels: candidates' time and bits against the forms in use
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --out "$E/bench-layer-gemms.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms o_proj --tokens 1 64 256 4096 16384 \
-      --out "$E/bench-oproj-planes.json" ;;
+      --out "$E/bench-oproj-planes.json"
+    # the plain GEMMs and the flat down projection with their weights from HBM (8 copies): the tile tables
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms o_proj_flat qkv router down_flat \
+      --tokens 1 64 256 4096 --copies 8 --out "$E/bench-tiles.json" ;;
   flat)  # the tree-width-1 contract: parity at 6 and 48 layers (as realshape/realshape48), 48-layer throughput and profile
     F="--contract qwen3_moe_true_on_policy_flat_v1"
     run $P --mode tpo --trainer patched $F --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-flat-a3b6-t1.0.json"
@@ -69,7 +72,9 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo tpo_flat \
       --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-flat-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo tpo_flat \
-      --out "$E/profile-flat-a3b48.json" ;;
+      --out "$E/profile-flat-a3b48.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tree-width 1 --tokens 1 64 256 4096 \
+      --out "$E/bench-kernels-flat.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \

@@ -19,7 +19,7 @@ from true_on_policy.kernels.logprobs import (
     token_logprobs_reference,
     token_z,
 )
-from true_on_policy.kernels.matmul import matmul, tree_sum
+from true_on_policy.kernels.matmul import DOWN_TMA, matmul, tree_sum
 from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, tp_shard
 from true_on_policy.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
@@ -89,16 +89,17 @@ def test_rmsnorm(h, gpu_evidence):
 def test_matmul_tma_equals_pointer_path(n_out, k, out_dtype, gpu_evidence):
     """The TMA fast path computes the same elements as the pointer-load kernel, bit for bit, so
     which one a shape takes (alignment, GPU generation, TP shard width) never changes a result."""
-    from true_on_policy.kernels.matmul import COLUMN, TMA, _launch, _launch_tma, _tma_ok
+    from true_on_policy.kernels.matmul import COLUMN, TMA, _launch, _launch_tma, _tma_ok, table_tiles
 
     g = _gen(n_out + k + 1)
     x, w = _randn(g, 4097, k), _randn(g, n_out, k, scale=0.05)
     for rows in (1, 65, 4097):
         xr = x[:rows].clone()
         b = _launch(xr, w, torch.empty(rows, n_out, dtype=out_dtype, device="cuda"), None, None, rows, 1, COLUMN)
-        for role, cfg in TMA.items():
-            a = _launch_tma(xr, w, torch.empty(rows, n_out, dtype=out_dtype, device="cuda"), cfg)
-            _same(a, b, f"TMA ({role} tiles) == pointer, rows={rows}")
+        for role, tiles in TMA.items():
+            for cfg in table_tiles(tiles):  # a table's tiles at every row count, not only at their own
+                a = _launch_tma(xr, w, torch.empty(rows, n_out, dtype=out_dtype, device="cuda"), cfg)
+                _same(a, b, f"TMA ({role} tiles {cfg}) == pointer, rows={rows}")
         _same(matmul(xr, w, out_dtype, role="lm_head"), b, f"matmul(role=lm_head), rows={rows}")
     assert _tma_ok(x, w, a)
     gpu_evidence.append({"test": f"matmul_tma_eq_pointer_{n_out}x{k}_{out_dtype}", "rows": [1, 65, 4097]})
@@ -428,6 +429,37 @@ def test_grouped_tma_equals_column(tiles, gpu_evidence):
                          "bitwise": True})
 
 
+@pytest.mark.parametrize("tiles", range(len(DOWN_TMA)))
+def test_down_tma_tiles_equal_column(tiles, gpu_evidence):
+    """Every tile of the flat down projection's table (``matmul.DOWN_TMA``) computes the pointer
+    kernel's fp32 bits at the 30B-A3B down shape (N 2048, K 768) and at an N that is not a
+    multiple of the tile, at every token count (not only those of its own bound), and
+    ``grouped_matmul(role="down")`` picks the table's tile for the count."""
+    import true_on_policy.kernels.grouped_tma as gt
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    cfg = mm.table_tiles(mm.DOWN_TMA)[tiles]
+    g = _gen(17)
+    for n_out, k in ((2048, 768), (200, 640)):
+        w2 = _randn(g, 128, n_out, k, scale=0.03)
+        for t in (1, 64, 256, 257, 4096):
+            ids = torch.rand(t, 128, device="cuda", generator=g).argsort(dim=1)[:, :8].int()
+            _, be, _, own = align(ids, 0, 128)
+            h = _randn(g, own.shape[0], k)
+            real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+            ref = mm._launch(h, w2, torch.empty(own.shape[0], n_out, dtype=torch.float32, device="cuda"), own,
+                             be, own.shape[0], 1, mm.COLUMN)
+            per = mm.ALIGN // cfg["BLOCK_M"]
+            bexp = be[:, None].expand(-1, per).reshape(-1).contiguous()
+            got = gt.launch(h, w2, torch.empty_like(ref), own, bexp, own.shape[0], cfg)
+            _same(got[real], ref[real], f"down TMA {cfg} N={n_out} K={k} tokens={t}")
+            api = mm.grouped_matmul(h, w2, own, be, torch.float32, 1, tree=False, role="down", tokens=t)
+            _same(api[real], ref[real], f"grouped_matmul(role=down) tokens={t}")
+    gpu_evidence.append({"test": f"down_tma_tile{tiles}_eq_column", "tiles": cfg, "tokens": [1, 64, 256, 257, 4096],
+                         "bitwise": True})
+
+
 def test_row_linear_rounds_like_a_cast(gpu_evidence):
     """At one rank ``row_linear`` rounds the fp32 root inside the tree kernel; that is torch's
     fp32 -> bf16 cast of the same root, bit for bit (round to nearest even)."""
@@ -458,8 +490,9 @@ def test_rmsnorm_heads_equals_rows(heads, d, gpu_evidence):
 def test_tree_width_1_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
     """The flat contract's forms (tree width 1, in a fresh process: the width is set once per
     process) at the 30B-A3B shapes: o_proj as the plain GEMM and the MoE block with its down
-    projection as one K loop give every row the same bits in a batch of 1, 7, 64, 256 and 4096
-    rows, and o_proj's bits are the column GEMM's."""
+    projection as one K loop give every row the same bits in a batch of 1, 7, 64, 256, 257, 1000
+    and 4096 rows (the tile tables switch tiles above 256 rows), and o_proj's bits are the column
+    GEMM's."""
     import subprocess
     import sys
 
@@ -476,11 +509,11 @@ full = row_linear(x, wo)
 assert torch.equal(full, matmul(x, wo))
 xm, router, w13, w2 = r(4096, 2048), r(128, 2048, sc=0.05), r(128, 1536, 2048, sc=0.02), r(128, 2048, 768, sc=0.02)
 ym = moe(xm, router, w13, w2, 8)
-for n in (1, 7, 64, 256):
+for n in (1, 7, 64, 256, 257, 1000):  # both sides of the tile tables' bound (matmul.DECODE_ROWS)
     assert torch.equal(row_linear(x[-n:].clone(), wo), full[-n:]), ("o_proj", n)
     assert torch.equal(moe(xm[-n:].clone(), router, w13, w2, 8), ym[-n:]), ("moe", n)
 print("width1-ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "width1-ok" in r.stdout, r.stderr[-3000:]
-    gpu_evidence.append({"test": "tree_width_1_batch_invariance", "rows": [1, 7, 64, 256, 4096]})
+    gpu_evidence.append({"test": "tree_width_1_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})

@@ -23,15 +23,17 @@ _K = "true_on_policy.kernels."
 _REPLACED = {
     "row_linear_tp_reduce": OpNumerics(
         "row_linear_tp_reduce", ("o_proj", "down_proj"), _K + "tree_reduce", "bf16 x, bf16 W", "fp32",
-        "tree width V = 1: no segments; as column_linear, fixed tiles, full K loop in 64-wide blocks from k=0 "
-        "upward, no split-K; K is never split over ranks (TP of these layers is refused)",
+        "tree width V = 1: no segments; one fp32 K loop in 16-wide MMA steps from k=0 upward, no split-K; the "
+        "tile follows the row count (kernels.matmul.ROW_TMA), every tile of the table the same bits; K is never "
+        "split over ranks (TP of these layers is refused)",
         ("one rounding of the fp32 accumulator to bf16",)),
     "moe_experts": OpNumerics(
         "moe_experts", ("mlp.experts",), _K + "moe", "bf16", "fp32",
         "per-expert batch-invariant GEMMs; a token's result never depends on its expert's load",
         ("gate/up GEMM rounded to bf16", "silu(gate) rounded to bf16, times up rounded to bf16",
-         "down GEMM: one fp32 K loop over the intermediate dim in 64-wide blocks from k=0 upward (tree width 1), "
-         "kept fp32; the intermediate dim is never split over ranks")),
+         "down GEMM: one fp32 K loop over the intermediate dim in 16-wide MMA steps from k=0 upward (tree width "
+         "1), kept fp32; the tile follows the call's token count (kernels.matmul.DOWN_TMA), every tile of the "
+         "table the same bits; the intermediate dim is never split over ranks")),
 }
 
 CONTRACT = register(dataclasses.replace(
