@@ -5,7 +5,7 @@ alternated pass by pass in one run.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob tpo_flat] [--one-engine --mem 0.85 --passes 2] [--out X.json]
+        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--one-engine --mem 0.85 --passes 2] [--out X.json]
 
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
@@ -26,6 +26,9 @@ repeat ``--repeats`` times, so the variants still alternate through the run.
 
 "deterministic" separates what SGLang's deterministic mode costs (which the
 contract requires) from what the overlay adds; "tpo_no_logprob" shows the cost of log-probs.
+"stock_eager_prefill" is stock with its prefill CUDA graphs off (``--cuda-graph-backend-prefill
+disabled``; SGLang 0.5.17 captures prefills in breakable graphs by default, the contracts run them
+eagerly): what those graphs give stock (not run by default).
 """
 
 from __future__ import annotations
@@ -38,23 +41,26 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat")
+VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat", "stock_eager_prefill")
 FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
-               "sampling_backend", "enable_deterministic_inference")
+               "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill")
+
+
+STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
+               "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"}}
 
 
 def _engine(name, model_path, mem):
     kw = dict(model_path=model_path, mem_fraction_static=mem, random_seed=0, log_level="error")
-    if name in ("stock", "deterministic"):
+    if name in STOCK_EXTRA:
         import sglang
 
         from true_on_policy import env
 
         env.disable_overlay()
-        extra = {"enable_deterministic_inference": True} if name == "deterministic" else {}
-        return sglang.Engine(attention_backend="triton", sampling_backend="pytorch", **kw, **extra)
+        return sglang.Engine(attention_backend="triton", sampling_backend="pytorch", **kw, **STOCK_EXTRA[name])
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     return TrueOnPolicyEngine(**kw, **({"contract": FLAT} if name == "tpo_flat" else {}))
@@ -148,7 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "stock_eager_prefill"],
+                   choices=VARIANTS)
     p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
     p.add_argument("--one-engine", action="store_true", help="one engine on the GPU at a time (see the docstring)")
     p.add_argument("--passes", type=int, default=2, help="--one-engine: timed passes per engine start")

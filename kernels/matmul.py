@@ -9,7 +9,9 @@ the pairwise tree ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))`` (``tree_sum``).
 Invariance: row i depends only on row i of x and on W (never on the number of rows, their
 order or the tile they share); column j depends only on row j of W, so splitting W's rows over
 ranks (column parallel) changes no output element. Tile sizes are constants (below), the same
-for every token count; ``M`` is not specialised by Triton (``do_not_specialize``).
+for every token count, except the tile tables of the tree-width-1 GEMMs (``ROW_TMA``, ``DOWN_TMA``),
+whose tiles all compute the same bits (checked on the GPU); ``M`` is not specialised by Triton
+(``do_not_specialize``).
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # fp32 accumulator, so the same per-element math (the GPU tier checks TMA == pointer path
 # bitwise). Programs are grouped GROUP_M tiles down M for L2 reuse of W (order only: no effect
 # on any element).
-# Tiles per role, chosen by the caller (never by the token count): the plain GEMMs, and lm_head
+# Tiles per role, chosen by the caller (by the token count only for "row", a table): the plain GEMMs, and lm_head
 # (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
 # router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep:
 # 0.005 / 0.005 / 0.005 / 0.007 ms at 1 / 64 / 256 / 4096 tokens against "plain"'s 0.011-0.012).

@@ -60,3 +60,23 @@ def test_one_engine_rounds_report_after_every_variant(monkeypatch):
     passes, seen = {v: [] for v in a.variants}, []
     throughput._one_engine_rounds(a, "m", passes, {}, {}, lambda done: seen.append((done, [len(passes[v]) for v in a.variants])))
     assert seen == [(0, [3, 0, 0]), (0, [3, 3, 0]), (1, [3, 3, 3]), (1, [6, 3, 3]), (1, [6, 6, 3]), (2, [6, 6, 6])]
+
+
+def test_stock_variants_differ_only_in_their_named_argument(monkeypatch):
+    """Every stock variant is triton attention + pytorch sampling; "deterministic" adds SGLang's
+    deterministic mode and "stock_eager_prefill" turns its prefill CUDA graphs off, nothing else."""
+    import sglang
+
+    from true_on_policy import env
+
+    seen = {}
+    monkeypatch.setattr(sglang, "Engine", lambda **kw: kw)
+    monkeypatch.setattr(env, "disable_overlay", lambda: None)
+    for name in throughput.STOCK_EXTRA:
+        seen[name] = throughput._engine(name, "/m", 0.5)
+    base = seen["stock"]
+    assert base["attention_backend"] == "triton" and base["sampling_backend"] == "pytorch"
+    assert {k: v for k, v in seen["deterministic"].items() if base.get(k) != v} == {"enable_deterministic_inference": True}
+    assert {k: v for k, v in seen["stock_eager_prefill"].items() if base.get(k) != v} == {
+        "cuda_graph_backend_prefill": "disabled"}
+    assert "stock_eager_prefill" in throughput.VARIANTS
