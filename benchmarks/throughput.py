@@ -14,8 +14,12 @@ start; ``engines`` in the evidence records what each got: KV-cache tokens, runni
 largest captured decode batch); each is warmed up with the whole workload; then pass r of every
 variant runs before pass r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
 once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
-counts completion tokens over wall time. The table gives every pass, the median and the ratio to
-stock's median.
+counts completion tokens over wall time. Every pass sends the same prompts; by default
+(``--prefix-cache cold``) each engine's prefix cache is emptied before every pass, so a pass
+computes its prompts as fresh rollout prompts are computed. ``--prefix-cache warm`` keeps the
+cache, as every committed run up to commit 1a7ce61 did: the warm-up then caches every prompt and
+the timed passes compute one token of each, i.e. they time decode only. The table gives every
+pass, the median and the ratio to stock's median.
 
 ``--one-engine`` is for models too large for all variants to share the GPU (the 48-layer
 30B-A3B: 57 GB of weights each): one engine at a time holds the GPU with ``--mem`` of it
@@ -66,9 +70,23 @@ def _engine(name, model_path, mem):
     return TrueOnPolicyEngine(**kw, **({"contract": FLAT} if name == "tpo_flat" else {}))
 
 
-def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem) -> None:
+def _flush(eng, tries: int = 100) -> None:
+    """Empty the engine's prefix (radix) cache; SGLang refuses while a request is still in flight,
+    so retry briefly, then raise: a pass must never time cached prompts as if computed."""
+    for _ in range(tries):
+        r = eng.flush_cache()
+        if getattr(r, "success", r):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"flush_cache did not succeed after {tries} tries: {r!r}")
+
+
+def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem, cold: bool = True) -> None:
     """Variant process: start the engine, then answer commands on stdin ("warm", "pass R", "quit")
-    with one RESULT line each on stdout."""
+    with one RESULT line each on stdout. ``cold``: the prefix cache is emptied before every pass
+    (the warm-up included), so each pass computes its prompts' prefill as fresh rollout prompts do;
+    otherwise every timed pass finds its prompts cached by the warm-up and computes one token of
+    each."""
     import json as _json
 
     from true_on_policy.harness.parity import make_prompts
@@ -80,6 +98,8 @@ def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem) -> Non
     eng = _engine(name, model_path, mem)
 
     def run(seed0):
+        if cold:
+            _flush(eng)
         params = [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": seed0 + i}
                   for i in range(len(prompts))]
         t0 = time.perf_counter()
@@ -118,7 +138,7 @@ class _Variant:
     def __init__(self, name, args, model_path, mem):
         cmd = [sys.executable, __file__, "--serve", name, "--model-path", model_path, "--prompts", str(args.prompts),
                "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-               "--new-tokens", str(args.new_tokens), "--mem", str(mem)]
+               "--new-tokens", str(args.new_tokens), "--mem", str(mem), "--prefix-cache", args.prefix_cache]
         self.name = name
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ))
@@ -162,9 +182,13 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--mem", type=float, default=0.85, help="--one-engine: mem_fraction_static of every engine")
+    p.add_argument("--prefix-cache", choices=("cold", "warm"), default="cold",
+                   help="cold: empty the prefix cache before every pass (each pass computes its prompts); warm: "
+                        "keep it (every timed pass finds its prompts cached by the warm-up; decode only)")
     a = p.parse_args(argv)
     if a.serve:
-        serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem)
+        serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem,
+              cold=a.prefix_cache == "cold")
         return 0
     from true_on_policy.harness import tiny_model
     from true_on_policy.harness.provenance import provenance, write_evidence
@@ -194,6 +218,7 @@ def main(argv=None) -> int:
         if a.out:
             write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
                                    "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
+                                   "prefix_cache": a.prefix_cache,
                                    "repeats": a.repeats, "rounds_done": done, "complete": done == a.repeats,
                                    "kv_gb": None if a.one_engine else a.kv_gb, "mem_fraction_static": mems,
                                    "alternated": True, "one_engine_at_a_time": a.one_engine,

@@ -6,19 +6,28 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import throughput  # noqa: E402
 
 
 class _Eng:
-    def __init__(self):
+    def __init__(self, flush_ok=(True,)):
         self.shut = False
+        self.calls = []  # "flush" / "generate", in order
+        self.flush_ok = list(flush_ok)
+
+    def flush_cache(self):
+        self.calls.append("flush")
+        return type("FlushCacheReqOutput", (), {"success": self.flush_ok.pop(0) if self.flush_ok else True})()
 
     def get_server_info(self):
         return {"max_total_num_tokens": 123456, "cuda_graph_max_bs": 256, "chunked_prefill_size": 8192,
                 "max_running_requests": 2048, "unrelated": "x"}
 
     def generate(self, input_ids, sampling_params, return_logprob):
+        self.calls.append("generate")
         return [{"meta_info": {"completion_tokens": p["max_new_tokens"]}} for p in sampling_params]
 
     def shutdown(self):
@@ -36,6 +45,23 @@ def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys
     assert set(lines[0]["engine"]) == set(throughput.ENGINE_KEYS)
     assert [x["cmd"] for x in lines[1:]] == [["warm"], ["pass", "0"]] and all(x["tokens"] == 20 for x in lines[1:])
     assert eng.shut
+    assert eng.calls == ["flush", "generate", "flush", "generate"]  # cold (the default): every pass computes its prompts
+
+
+def test_warm_prefix_cache_never_flushes_and_a_failed_flush_is_retried_then_raises(monkeypatch, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    warm = _Eng()
+    monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: warm)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("warm\npass 0\nquit\n"))
+    throughput.serve("stock", str(tmp_path), 4, 8, 16, 5, 0.5, cold=False)
+    assert warm.calls == ["generate", "generate"]
+    monkeypatch.setattr(throughput.time, "sleep", lambda s: None)
+    busy = _Eng(flush_ok=(False, False, True))  # SGLang refuses while a request is in flight
+    throughput._flush(busy)
+    assert busy.calls == ["flush"] * 3
+    never = _Eng(flush_ok=(False,) * 5)
+    with pytest.raises(RuntimeError, match="flush_cache did not succeed"):
+        throughput._flush(never, tries=5)
 
 
 def test_one_engine_rounds_report_after_every_variant(monkeypatch):

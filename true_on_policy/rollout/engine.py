@@ -79,6 +79,11 @@ class TrueOnPolicyEngine:
         return self.engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
                                     return_logprob=return_logprob, **kwargs)
 
+    def flush_cache(self):
+        """``sglang.Engine.flush_cache``: empty the prefix (radix) cache; refused (``success``
+        False) while requests are in flight."""
+        return self.engine.flush_cache()
+
     def get_server_info(self) -> dict:
         """``sglang.Engine.get_server_info``: resolved arguments, KV-cache size, internal states."""
         return self.engine.get_server_info()
