@@ -5,7 +5,7 @@ alternated pass by pass in one run.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--one-engine --mem 0.85 --passes 2] [--out X.json]
+        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--prefix-cache cold] [--http] [--one-engine --mem 0.85 --passes 2] [--out X.json]
 
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
@@ -20,6 +20,11 @@ computes its prompts as fresh rollout prompts are computed. ``--prefix-cache war
 cache, as every committed run up to commit 1a7ce61 did: the warm-up then caches every prompt and
 the timed passes compute one token of each, i.e. they time decode only. The table gives every
 pass, the median and the ratio to stock's median.
+
+``--http`` serves each variant as users do (``python -m launch.server --true-on-policy`` for the tpo
+variants, ``python -m sglang.launch_server`` with the same flags for the stock ones) and sends
+every prompt as its own concurrent ``/generate`` request; without it a pass is one
+``Engine.generate`` call. The evidence records the client (``engine`` or ``http``).
 
 ``--one-engine`` is for models too large for all variants to share the GPU (the 48-layer
 30B-A3B: 57 GB of weights each): one engine at a time holds the GPU with ``--mem`` of it
@@ -81,7 +86,108 @@ def _flush(eng, tries: int = 100) -> None:
     raise RuntimeError(f"flush_cache did not succeed after {tries} tries: {r!r}")
 
 
-def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem, cold: bool = True) -> None:
+def _flags(extra: dict) -> list[str]:
+    """Engine keyword arguments as SGLang's command-line flags (True -> the bare flag)."""
+    out = []
+    for k, v in extra.items():
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
+
+
+class HttpEngine:
+    """What ``serve`` needs of an engine, over HTTP as users run it: a server process (``python -m
+    launch.server --true-on-policy`` for the tpo variants, ``python -m sglang.launch_server`` with
+    the same flags as the Engine for the stock ones) on a free local port; a pass posts every
+    prompt as its own concurrent ``/generate`` request (one client thread each, as an RL rollout
+    client sends a batch); the prefix cache is emptied through ``/flush_cache``."""
+
+    def __init__(self, name, model_path, mem, log_path=None, start_timeout_s: float = 1200.0, port=None):
+        import socket
+
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        common = ["--model-path", model_path, "--mem-fraction-static", str(mem), "--random-seed", "0",
+                  "--log-level", "error", "--host", "127.0.0.1", "--port", str(port)]
+        env = dict(os.environ)
+        if name in STOCK_EXTRA:
+            from true_on_policy import env as tpo_env
+
+            env.pop(tpo_env.ENABLED.name, None)  # stock: no overlay in any server process
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "triton",
+                   "--sampling-backend", "pytorch", *_flags(STOCK_EXTRA[name]), *common]
+        else:
+            cmd = [sys.executable, "-m", "launch.server", "--true-on-policy",
+                   *(["--true-on-policy-contract", FLAT] if name == "tpo_flat" else []), *common]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path or os.devnull, "w")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._wait_up(start_timeout_s)
+
+    def _wait_up(self, timeout_s):
+        import requests
+
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                self.shutdown()
+                raise RuntimeError(f"server exited with rc {self.proc.returncode} before it was up")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        self.shutdown()
+        raise RuntimeError(f"server not up after {timeout_s:.0f} s")
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import requests
+
+        def one(job):
+            ids, sp = job
+            r = requests.post(self.url + "/generate", json={"input_ids": ids, "sampling_params": sp,
+                                                            "return_logprob": return_logprob}, timeout=3600)
+            r.raise_for_status()
+            return r.json()
+
+        with ThreadPoolExecutor(max_workers=max(1, len(input_ids))) as pool:
+            return list(pool.map(one, zip(input_ids, sampling_params, strict=True)))
+
+    def flush_cache(self):
+        import requests
+
+        r = requests.post(self.url + "/flush_cache", timeout=60)
+        return type("Flushed", (), {"success": r.status_code == 200, "message": r.text[:200]})()
+
+    def get_server_info(self) -> dict:
+        import requests
+
+        return requests.get(self.url + "/server_info", timeout=60).json()
+
+    def shutdown(self):
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem, cold: bool = True,
+          http: bool = False) -> None:
     """Variant process: start the engine, then answer commands on stdin ("warm", "pass R", "quit")
     with one RESULT line each on stdout. ``cold``: the prefix cache is emptied before every pass
     (the warm-up included), so each pass computes its prompts' prefill as fresh rollout prompts do;
@@ -95,7 +201,7 @@ def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem, cold: 
         vocab = _json.load(f)["vocab_size"]
     prompts = make_prompts(prompts_n, vocab, 21, min_len, max_len)
     logprob = name != "tpo_no_logprob"
-    eng = _engine(name, model_path, mem)
+    eng = HttpEngine(name, model_path, mem) if http else _engine(name, model_path, mem)
 
     def run(seed0):
         if cold:
@@ -138,7 +244,8 @@ class _Variant:
     def __init__(self, name, args, model_path, mem):
         cmd = [sys.executable, __file__, "--serve", name, "--model-path", model_path, "--prompts", str(args.prompts),
                "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-               "--new-tokens", str(args.new_tokens), "--mem", str(mem), "--prefix-cache", args.prefix_cache]
+               "--new-tokens", str(args.new_tokens), "--mem", str(mem), "--prefix-cache", args.prefix_cache,
+               *(["--http"] if args.http else [])]
         self.name = name
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ))
@@ -185,10 +292,13 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-cache", choices=("cold", "warm"), default="cold",
                    help="cold: empty the prefix cache before every pass (each pass computes its prompts); warm: "
                         "keep it (every timed pass finds its prompts cached by the warm-up; decode only)")
+    p.add_argument("--http", action="store_true",
+                   help="serve each variant over HTTP (launch.server / sglang.launch_server) and send every prompt as "
+                        "its own concurrent /generate request, instead of one Engine.generate call")
     a = p.parse_args(argv)
     if a.serve:
         serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem,
-              cold=a.prefix_cache == "cold")
+              cold=a.prefix_cache == "cold", http=a.http)
         return 0
     from true_on_policy.harness import tiny_model
     from true_on_policy.harness.provenance import provenance, write_evidence
@@ -218,7 +328,7 @@ def main(argv=None) -> int:
         if a.out:
             write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
                                    "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
-                                   "prefix_cache": a.prefix_cache,
+                                   "prefix_cache": a.prefix_cache, "client": "http" if a.http else "engine",
                                    "repeats": a.repeats, "rounds_done": done, "complete": done == a.repeats,
                                    "kv_gb": None if a.one_engine else a.kv_gb, "mem_fraction_static": mems,
                                    "alternated": True, "one_engine_at_a_time": a.one_engine,

@@ -106,3 +106,80 @@ def test_stock_variants_differ_only_in_their_named_argument(monkeypatch):
     assert {k: v for k, v in seen["stock_eager_prefill"].items() if base.get(k) != v} == {
         "cuda_graph_backend_prefill": "disabled"}
     assert "stock_eager_prefill" in throughput.VARIANTS
+
+
+def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt(monkeypatch, tmp_path):
+    """--http: tpo variants start ``launch.server --true-on-policy`` (the flat one with its
+    contract), stock ones ``sglang.launch_server`` with the Engine's flags and no overlay in their
+    environment; a pass posts every prompt as its own /generate request, concurrently; the cache
+    is emptied through /flush_cache (a refusal reads as not flushed). A local stand-in answers."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen, flush_status = [], [400, 200]
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"max_total_num_tokens": 99} if self.path == "/server_info" else {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path == "/flush_cache":
+                return self._send(flush_status.pop(0), {})
+            seen.append(body)
+            self._send(200, {"meta_info": {"completion_tokens": body["sampling_params"]["max_new_tokens"]}})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    cmds = []
+
+    class _Proc:
+        pid, returncode = 12345, None
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+
+    def popen(cmd, **kw):
+        cmds.append((cmd, kw["env"]))
+        return _Proc()
+
+    monkeypatch.setattr(throughput.subprocess, "Popen", popen)
+    monkeypatch.setattr(throughput.os, "killpg", lambda pid, sig: None)
+    from true_on_policy import env
+
+    monkeypatch.setenv(env.ENABLED.name, "1")  # the caller's shell has the overlay on
+    try:
+        port = srv.server_address[1]
+        for name in ("tpo_flat", "deterministic"):
+            eng = throughput.HttpEngine(name, "/m", 0.5, port=port)
+            if name == "tpo_flat":
+                outs = eng.generate([[1, 2], [3], [4, 5, 6]], [{"max_new_tokens": n} for n in (2, 3, 4)], True)
+                assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3, 4]
+                assert sorted(len(b["input_ids"]) for b in seen) == [1, 2, 3] and all(b["return_logprob"] for b in seen)
+                assert [eng.flush_cache().success, eng.flush_cache().success] == [False, True]
+                assert eng.get_server_info()["max_total_num_tokens"] == 99
+            eng.shutdown()
+    finally:
+        srv.shutdown()
+    (tpo_cmd, _), (stock_cmd, stock_env) = cmds
+    assert tpo_cmd[1:5] == ["-m", "launch.server", "--true-on-policy", "--true-on-policy-contract"]
+    assert tpo_cmd[5] == throughput.FLAT and tpo_cmd[tpo_cmd.index("--port") + 1] == str(port)
+    assert stock_cmd[1:3] == ["-m", "sglang.launch_server"] and "--enable-deterministic-inference" in stock_cmd
+    assert stock_cmd[stock_cmd.index("--attention-backend") + 1] == "triton"
+    assert env.ENABLED.name not in stock_env
+    assert throughput._flags({"cuda_graph_backend_prefill": "disabled", "x_y": True}) == [
+        "--cuda-graph-backend-prefill", "disabled", "--x-y"]

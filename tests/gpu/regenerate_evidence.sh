@@ -2,7 +2,7 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48 and flat)
+#        flat | throughput | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat and throughput)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -75,6 +75,12 @@ case $GROUP in
       --out "$E/profile-flat-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tree-width 1 --tokens 1 64 256 4096 \
       --out "$E/bench-kernels-flat.json" ;;
+  throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP
+    T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3"
+    run $T --geometry a3b6 --variants stock tpo tpo_flat stock_eager_prefill --mem 0.5 --out "$E/throughput-cold-a3b6.json"
+    run $T --geometry a3b48 --variants stock tpo tpo_flat --new-tokens 256 --mem 0.85 --out "$E/throughput-cold-a3b48.json"
+    run $T --geometry a3b48 --variants stock tpo tpo_flat --new-tokens 256 --mem 0.85 --http \
+      --out "$E/throughput-http-cold-a3b48.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
