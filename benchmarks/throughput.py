@@ -54,7 +54,8 @@ VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat", "stoc
 FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
-               "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill")
+               "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill",
+               "disable_overlap_schedule")
 
 
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
