@@ -2,11 +2,12 @@
 transformers forward (+ its fp32 log-softmax) on the same weights and tokens.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/trainer_speed.py [--geometry a3b6] [--tokens 4096] \\
-        [--batch 1] [--repeats 5] [--out evidence/trainer-speed-a3b6.json]
+        [--batch 1] [--repeats 5] [--contract qwen3_moe_true_on_policy_v1] [--out evidence/trainer-speed-a3b6.json]
 
 Two copies of the checkpoint on one GPU (stock, patched), forward only (no_grad), the variants
 alternated ``--repeats`` times after one warm-up each; median ms of CUDA events per variant and the
-ratio patched / stock (the throughput issue asks for <= 1.2 at 4096 tokens).
+ratio patched / stock (the throughput issue asks for <= 1.2 at 4096 tokens). ``--contract`` patches
+under another contract (e.g. the flat one, tree width 1); the evidence names it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--contract", default=None, help="the contract to patch under (default: the main one)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
 
+    from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.harness import tiny_model
     from true_on_policy.harness.provenance import provenance, write_evidence
     from true_on_policy.trainer import patch_hf_model, token_logprobs
@@ -36,7 +39,8 @@ def main(argv=None) -> int:
     path = a.model_path or tiny_model.ensure(a.geometry)
     stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     patched = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    patch_hf_model(patched)
+    contract = a.contract or DEFAULT_CONTRACT
+    patch_hf_model(patched, contract=contract)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, min(stock.config.vocab_size, 256), (a.batch, a.tokens), device="cuda", generator=g)
 
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     print(f"stock {med['stock']:.2f} ms, patched {med['patched']:.2f} ms, ratio {ratio:.2f} "
           f"({a.batch} x {a.tokens} tokens)")
     if a.out:
-        write_evidence(a.out, {"model_path": path, "geometry": None if a.model_path else a.geometry,
+        write_evidence(a.out, {"model_path": path, "geometry": None if a.model_path else a.geometry, "contract": contract,
                                "batch": a.batch, "tokens": a.tokens, "repeats": a.repeats, "ms": times,
                                "median_ms": med, "ratio_patched_over_stock": ratio}, prov)
     return 0

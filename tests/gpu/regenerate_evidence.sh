@@ -74,7 +74,9 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo tpo_flat \
       --out "$E/profile-flat-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tree-width 1 --tokens 1 64 256 4096 \
-      --out "$E/bench-kernels-flat.json" ;;
+      --out "$E/bench-kernels-flat.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 \
+      --contract qwen3_moe_true_on_policy_flat_v1 --out "$E/trainer-speed-flat-a3b6.json" ;;
   throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3"
     run $T --geometry a3b6 --variants stock tpo tpo_flat stock_eager_prefill --mem 0.5 --out "$E/throughput-cold-a3b6.json"
