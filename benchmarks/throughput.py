@@ -26,6 +26,12 @@ variants, ``python -m sglang.launch_server`` with the same flags for the stock o
 every prompt as its own concurrent ``/generate`` request; without it a pass is one
 ``Engine.generate`` call. The evidence records the client (``engine`` or ``http``).
 
+``--trace DIR`` adds, after the timed passes, one untimed pass per variant whose first
+``--trace-steps`` forwards SGLang's own torch profiler records into ``DIR/VARIANT`` (the trace is
+written while the scheduler waits, so it is never in a timed pass); ``benchmarks/trace_gaps.py
+DIR`` then gives each variant's GPU busy and idle time over that window: what the op profile, which
+drives the model runner alone, cannot see (the scheduler, the overlap loop, output processing).
+
 ``--one-engine`` is for models too large for all variants to share the GPU (the 48-layer
 30B-A3B: 57 GB of weights each): one engine at a time holds the GPU with ``--mem`` of it
 (mem_fraction_static, the same for every variant), the way a user serves it. Round r starts
@@ -171,6 +177,11 @@ class HttpEngine:
 
         return requests.get(self.url + "/server_info", timeout=60).json()
 
+    def start_profile(self, **req):
+        import requests
+
+        requests.post(self.url + "/start_profile", json=req, timeout=600).raise_for_status()
+
     def shutdown(self):
         import signal
 
@@ -225,7 +236,12 @@ def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem, cold: 
             cmd = line.split()
             if not cmd or cmd[0] == "quit":
                 break
-            seed0 = 5000 if cmd[0] == "warm" else 7000 + 1000 * int(cmd[1])
+            if cmd[0] == "trace":  # "trace DIR STEPS": one more pass, untimed, its first STEPS forwards profiled
+                eng.start_profile(output_dir=cmd[1], num_steps=int(cmd[2]), activities=["CPU", "GPU"],
+                                  with_stack=False, record_shapes=False)
+                seed0 = 90000
+            else:
+                seed0 = 5000 if cmd[0] == "warm" else 7000 + 1000 * int(cmd[1])
             tokens, dt = run(seed0)
             print("RESULT " + json.dumps({"cmd": cmd, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}),
                   flush=True)
@@ -293,6 +309,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-cache", choices=("cold", "warm"), default="cold",
                    help="cold: empty the prefix cache before every pass (each pass computes its prompts); warm: "
                         "keep it (every timed pass finds its prompts cached by the warm-up; decode only)")
+    p.add_argument("--trace", metavar="DIR",
+                   help="after the timed passes, one more untimed pass per variant whose first --trace-steps forwards "
+                        "SGLang's torch profiler records (CPU and GPU) into DIR/VARIANT; benchmarks/trace_gaps.py reads them")
+    p.add_argument("--trace-steps", type=int, default=40)
     p.add_argument("--http", action="store_true",
                    help="serve each variant over HTTP (launch.server / sglang.launch_server) and send every prompt as "
                         "its own concurrent /generate request, instead of one Engine.generate call")
@@ -350,6 +370,8 @@ def main(argv=None) -> int:
             for var in variants:
                 passes[var.name].append(var.ask(f"pass {r}"))
             report(r + 1)
+        for var in variants if a.trace else ():
+            var.ask(f"trace {os.path.abspath(os.path.join(a.trace, var.name))} {a.trace_steps}")
     finally:
         for var in variants:
             var.close()
@@ -377,6 +399,8 @@ def _one_engine_rounds(a, model_path, passes, mems, engines, report) -> None:
                 var.ask("warm")
                 for i in range(a.passes):
                     passes[v].append(var.ask(f"pass {r * a.passes + i}"))
+                if a.trace and r == a.repeats - 1:
+                    var.ask(f"trace {os.path.abspath(os.path.join(a.trace, v))} {a.trace_steps}")
             finally:
                 var.close()
             _wait_gpu_free(total)

@@ -30,6 +30,9 @@ class _Eng:
         self.calls.append("generate")
         return [{"meta_info": {"completion_tokens": p["max_new_tokens"]}} for p in sampling_params]
 
+    def start_profile(self, **req):
+        self.calls.append(("profile", req["output_dir"], req["num_steps"]))
+
     def shutdown(self):
         self.shut = True
 
@@ -82,7 +85,7 @@ def test_one_engine_rounds_report_after_every_variant(monkeypatch):
     monkeypatch.setattr(throughput, "_Variant", _V)
     monkeypatch.setattr(throughput, "_free_gb", lambda: 100.0)
     monkeypatch.setattr(throughput, "_wait_gpu_free", lambda total: None)
-    a = SimpleNamespace(repeats=2, variants=["stock", "deterministic", "tpo"], passes=3, mem=0.85)
+    a = SimpleNamespace(repeats=2, variants=["stock", "deterministic", "tpo"], passes=3, mem=0.85, trace=None)
     passes, seen = {v: [] for v in a.variants}, []
     throughput._one_engine_rounds(a, "m", passes, {}, {}, lambda done: seen.append((done, [len(passes[v]) for v in a.variants])))
     assert seen == [(0, [3, 0, 0]), (0, [3, 3, 0]), (1, [3, 3, 3]), (1, [6, 3, 3]), (1, [6, 6, 3]), (2, [6, 6, 6])]
@@ -183,3 +186,60 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
     assert env.ENABLED.name not in stock_env
     assert throughput._flags({"cuda_graph_backend_prefill": "disabled", "x_y": True}) == [
         "--cuda-graph-backend-prefill", "disabled", "--x-y"]
+
+
+def test_trace_command_profiles_one_untimed_pass(monkeypatch, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    eng = _Eng()
+    monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: eng)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("pass 0\ntrace /t/tpo 40\nquit\n"))
+    throughput.serve("tpo", str(tmp_path), 4, 8, 16, 5, 0.5)
+    assert eng.calls == ["flush", "generate", ("profile", "/t/tpo", 40), "flush", "generate"]
+    lines = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    assert lines[-1]["cmd"] == ["trace", "/t/tpo", "40"]
+
+
+def test_trace_gaps_counts_busy_idle_and_long_gaps(tmp_path):
+    import gzip
+
+    import trace_gaps
+
+    ev = [{"ph": "X", "cat": "kernel", "ts": t, "dur": d} for t, d in ((0, 10), (5, 10), (30, 5), (100, 50))]
+    ev += [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1000}, {"ph": "X", "cat": "gpu_memcpy", "ts": 150, "dur": 10}]
+    r = trace_gaps.analyse(trace_gaps.gpu_intervals({"traceEvents": ev}), gap_us=20)
+    # busy: [0,15] + [30,35] + [100,150] + [150,160] = 15 + 5 + 60; window 160; gaps 15 and 65
+    assert r["gpu_events"] == 5 and r["window_ms"] == 0.16 and abs(r["busy_ms"] - 0.08) < 1e-12
+    assert r["gaps_over_threshold"] == 1 and r["longest_gaps_us"] == [65.0]
+    d = tmp_path / "stock"
+    d.mkdir()
+    with gzip.open(d / "1-TP-0.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    rows = trace_gaps.run(str(tmp_path), 20)
+    assert rows["stock"]["stock/1-TP-0.trace.json.gz"] == r
+    assert trace_gaps.analyse([]) == {"gpu_events": 0}
+
+
+def test_one_engine_rounds_trace_each_variant_once_after_its_last_timed_pass(monkeypatch):
+    from types import SimpleNamespace
+
+    asked = []
+
+    class _V:
+        def __init__(self, name, a, path, mem):
+            self.name, self.engine = name, {}
+
+        def ask(self, cmd):
+            asked.append((self.name, cmd.split()[0]))
+            return {"tokens_per_s": 1.0, "tokens": 1}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(throughput, "_Variant", _V)
+    monkeypatch.setattr(throughput, "_free_gb", lambda: 100.0)
+    monkeypatch.setattr(throughput, "_wait_gpu_free", lambda total: None)
+    a = SimpleNamespace(repeats=2, variants=["stock", "tpo"], passes=1, mem=0.85, trace="/t", trace_steps=5)
+    throughput._one_engine_rounds(a, "m", {v: [] for v in a.variants}, {}, {}, lambda done: None)
+    assert asked == [("stock", "warm"), ("stock", "pass"), ("tpo", "warm"), ("tpo", "pass"),
+                     ("stock", "warm"), ("stock", "pass"), ("stock", "trace"),
+                     ("tpo", "warm"), ("tpo", "pass"), ("tpo", "trace")]

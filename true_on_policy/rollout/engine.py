@@ -84,6 +84,11 @@ class TrueOnPolicyEngine:
         False) while requests are in flight."""
         return self.engine.flush_cache()
 
+    def start_profile(self, **kwargs):
+        """``sglang.Engine.start_profile``: SGLang's torch profiler in the scheduler (the fields of
+        its ``ProfileReq``: output_dir, num_steps, activities, ...)."""
+        return self.engine.start_profile(**kwargs)
+
     def get_server_info(self) -> dict:
         """``sglang.Engine.get_server_info``: resolved arguments, KV-cache size, internal states."""
         return self.engine.get_server_info()
