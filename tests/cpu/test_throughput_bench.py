@@ -67,16 +67,17 @@ def test_warm_prefix_cache_never_flushes_and_a_failed_flush_is_retried_then_rais
         throughput._flush(never, tries=5)
 
 
-def test_one_engine_rounds_report_after_every_variant(monkeypatch):
-    """--one-engine: the evidence is rewritten after each variant, not only after each round, so a
-    call cut short by its time limit keeps the variants it timed (marked incomplete)."""
-    from types import SimpleNamespace
+def _one_engine_stand_ins(monkeypatch) -> list:
+    """Variant processes that answer every command at once, a GPU that is always free; returns
+    the (variant, command word) list the stand-ins are asked, in order."""
+    asked = []
 
     class _V:
         def __init__(self, name, a, path, mem):
             self.name, self.engine = name, {"v": name}
 
         def ask(self, cmd):
+            asked.append((self.name, cmd.split()[0]))
             return {"tokens_per_s": 1.0, "tokens": 1}
 
         def close(self):
@@ -85,6 +86,15 @@ def test_one_engine_rounds_report_after_every_variant(monkeypatch):
     monkeypatch.setattr(throughput, "_Variant", _V)
     monkeypatch.setattr(throughput, "_free_gb", lambda: 100.0)
     monkeypatch.setattr(throughput, "_wait_gpu_free", lambda total: None)
+    return asked
+
+
+def test_one_engine_rounds_report_after_every_variant(monkeypatch):
+    """--one-engine: the evidence is rewritten after each variant, not only after each round, so a
+    call cut short by its time limit keeps the variants it timed (marked incomplete)."""
+    from types import SimpleNamespace
+
+    _one_engine_stand_ins(monkeypatch)
     a = SimpleNamespace(repeats=2, variants=["stock", "deterministic", "tpo"], passes=3, mem=0.85, trace=None)
     passes, seen = {v: [] for v in a.variants}, []
     throughput._one_engine_rounds(a, "m", passes, {}, {}, lambda done: seen.append((done, [len(passes[v]) for v in a.variants])))
@@ -222,22 +232,7 @@ def test_trace_gaps_counts_busy_idle_and_long_gaps(tmp_path):
 def test_one_engine_rounds_trace_each_variant_once_after_its_last_timed_pass(monkeypatch):
     from types import SimpleNamespace
 
-    asked = []
-
-    class _V:
-        def __init__(self, name, a, path, mem):
-            self.name, self.engine = name, {}
-
-        def ask(self, cmd):
-            asked.append((self.name, cmd.split()[0]))
-            return {"tokens_per_s": 1.0, "tokens": 1}
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(throughput, "_Variant", _V)
-    monkeypatch.setattr(throughput, "_free_gb", lambda: 100.0)
-    monkeypatch.setattr(throughput, "_wait_gpu_free", lambda total: None)
+    asked = _one_engine_stand_ins(monkeypatch)
     a = SimpleNamespace(repeats=2, variants=["stock", "tpo"], passes=1, mem=0.85, trace="/t", trace_steps=5)
     throughput._one_engine_rounds(a, "m", {v: [] for v in a.variants}, {}, {}, lambda done: None)
     assert asked == [("stock", "warm"), ("stock", "pass"), ("tpo", "warm"), ("tpo", "pass"),
