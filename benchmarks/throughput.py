@@ -128,7 +128,12 @@ class HttpEngine:
             cmd = [sys.executable, "-m", "launch.server", "--true-on-policy",
                    *(["--true-on-policy-contract", FLAT] if name == "tpo_flat" else []), *common]
         self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log_path or os.devnull, "w")
+        if log_path is None:  # kept: a server that dies says why (its tail goes into the error)
+            import tempfile
+
+            log_path = os.path.join(tempfile.gettempdir(), f"tpo-throughput-{name}-{port}.log")
+        self.log_path = log_path
+        self.log = open(log_path, "w")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -141,7 +146,8 @@ class HttpEngine:
         while time.time() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 self.shutdown()
-                raise RuntimeError(f"server exited with rc {self.proc.returncode} before it was up")
+                raise RuntimeError(f"server exited with rc {self.proc.returncode} before it was up; "
+                                   f"the end of {self.log_path}:\n{self._tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -149,7 +155,14 @@ class HttpEngine:
                 pass
             time.sleep(2)
         self.shutdown()
-        raise RuntimeError(f"server not up after {timeout_s:.0f} s")
+        raise RuntimeError(f"server not up after {timeout_s:.0f} s; the end of {self.log_path}:\n{self._tail()}")
+
+    def _tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError as e:
+            return f"({e})"
 
     def generate(self, input_ids, sampling_params, return_logprob):
         from concurrent.futures import ThreadPoolExecutor

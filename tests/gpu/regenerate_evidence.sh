@@ -80,6 +80,7 @@ case $GROUP in
   throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3"
     run $T --geometry a3b6 --variants stock tpo tpo_flat stock_eager_prefill --mem 0.5 --out "$E/throughput-cold-a3b6.json"
+    run $T --geometry a3b6 --variants stock tpo_flat tpo --mem 0.5 --http --out "$E/throughput-http-cold-a3b6.json"
     # (traces, tens of MB each, stay outside evidence/; the GPU busy/idle summary of them is evidence)
     run $T --geometry a3b48 --variants stock tpo tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \
       --out "$E/throughput-cold-a3b48.json"
