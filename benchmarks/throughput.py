@@ -43,7 +43,9 @@ repeat ``--repeats`` times, so the variants still alternate through the run.
 contract requires) from what the overlay adds; "tpo_no_logprob" shows the cost of log-probs.
 "stock_eager_prefill" is stock with its prefill CUDA graphs off (``--cuda-graph-backend-prefill
 disabled``; SGLang 0.5.17 captures prefills in breakable graphs by default, the contracts run them
-eagerly): what those graphs give stock (not run by default).
+eagerly). The bar is the faster of the two in the run (one 6-layer run at bf5ad8b gave the
+eager one 50,010 tok/s against 37,410 for the default in another start), so both run by default
+and the table's last column is the ratio to the faster of them (``fastest_stock`` in the evidence).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import sys
 import time
 
 VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat", "stock_eager_prefill")
+FAIR_STOCK = ("stock", "stock_eager_prefill")  # the stock configurations a ratio may be taken against (see table)
 FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
@@ -311,8 +314,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "stock_eager_prefill"],
-                   choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
     p.add_argument("--one-engine", action="store_true", help="one engine on the GPU at a time (see the docstring)")
     p.add_argument("--passes", type=int, default=2, help="--one-engine: timed passes per engine start")
@@ -347,17 +349,13 @@ def main(argv=None) -> int:
         """Table and evidence of the passes so far (written after every round, and under
         --one-engine after every variant, so a run cut short still leaves what it measured, marked
         incomplete)."""
-        rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
-                 "median": statistics.median(x["tokens_per_s"] for x in passes[v]) if passes[v] else None,
-                 "tokens": [x["tokens"] for x in passes[v]]} for v in a.variants]
-        base = next((r["median"] for r in rows if r["variant"] == "stock"), None)
-        print(f"| variant | tokens/s per pass | median | vs stock |   (after {done} of {a.repeats} rounds)\n"
-              "|---|---|---:|---:|")
+        rows, fastest = table(passes, a.variants)
+        print(f"| variant | tokens/s per pass | median | vs stock | vs fastest stock ({fastest or 'n/a'}) |"
+              f"   (after {done} of {a.repeats} rounds)\n|---|---|---:|---:|---:|")
         for r in rows:
-            r["ratio_vs_stock"] = r["median"] / base if base and r["median"] else None
-            ratio = f"{r['ratio_vs_stock']:.2f}" if r["ratio_vs_stock"] else "n/a"
+            ratio, best = (f"{r[k]:.2f}" if r[k] else "n/a" for k in ("ratio_vs_stock", "ratio_vs_fastest_stock"))
             med = f"{r['median']:.0f}" if r["median"] else "n/a"
-            print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {med} | {ratio} |",
+            print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {med} | {ratio} | {best} |",
                   flush=True)
         if a.out:
             write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
@@ -367,7 +365,7 @@ def main(argv=None) -> int:
                                    "kv_gb": None if a.one_engine else a.kv_gb, "mem_fraction_static": mems,
                                    "alternated": True, "one_engine_at_a_time": a.one_engine,
                                    "passes_per_start": a.passes if a.one_engine else None,
-                                   "engines": engines, "rows": rows}, prov)
+                                   "fastest_stock": fastest, "engines": engines, "rows": rows}, prov)
 
     if a.one_engine:
         _one_engine_rounds(a, model_path, passes, mems, engines, report)
@@ -389,6 +387,24 @@ def main(argv=None) -> int:
         for var in variants:
             var.close()
     return 0
+
+
+def table(passes: dict, variants) -> tuple[list[dict], str | None]:
+    """Rows of the table (every pass, the median, the ratios) and the fastest stock configuration:
+    of the stock variants that ran (``FAIR_STOCK``: stock SGLang as shipped and with its prefill
+    graphs off; never the deterministic mode, which is slower by design), the one with the highest
+    median. The issue's bar is against that one, so a variant is never judged against a stock that
+    a flag would have made faster."""
+    rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
+             "median": statistics.median(x["tokens_per_s"] for x in passes[v]) if passes[v] else None,
+             "tokens": [x["tokens"] for x in passes[v]]} for v in variants]
+    base = next((r["median"] for r in rows if r["variant"] == "stock"), None)
+    stocks = [r for r in rows if r["variant"] in FAIR_STOCK and r["median"]]
+    fastest = max(stocks, key=lambda r: r["median"]) if stocks else None
+    for r in rows:
+        r["ratio_vs_stock"] = r["median"] / base if base and r["median"] else None
+        r["ratio_vs_fastest_stock"] = r["median"] / fastest["median"] if fastest and r["median"] else None
+    return rows, fastest and fastest["variant"]
 
 
 def _wait_gpu_free(total_gb: float, timeout_s: float = 120.0) -> None:

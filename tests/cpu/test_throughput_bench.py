@@ -238,3 +238,22 @@ def test_one_engine_rounds_trace_each_variant_once_after_its_last_timed_pass(mon
     assert asked == [("stock", "warm"), ("stock", "pass"), ("tpo", "warm"), ("tpo", "pass"),
                      ("stock", "warm"), ("stock", "pass"), ("stock", "trace"),
                      ("tpo", "warm"), ("tpo", "pass"), ("tpo", "trace")]
+
+
+def test_ratios_are_taken_against_the_faster_stock_and_never_the_deterministic_mode():
+    def p(*tps):
+        return [{"tokens_per_s": x, "tokens": 100} for x in tps]
+
+    names = ["stock", "deterministic", "tpo_flat", "stock_eager_prefill"]
+    passes = {"stock": p(40.0, 36.0, 38.0), "deterministic": p(90.0, 90.0, 90.0), "tpo_flat": p(45.0, 44.0, 46.0),
+              "stock_eager_prefill": p(50.0, 49.0, 51.0)}
+    rows, fastest = throughput.table(passes, names)
+    by = {r["variant"]: r for r in rows}
+    assert fastest == "stock_eager_prefill"
+    assert by["tpo_flat"]["median"] == 45.0
+    assert by["tpo_flat"]["ratio_vs_stock"] == 45.0 / 38.0
+    assert by["tpo_flat"]["ratio_vs_fastest_stock"] == 45.0 / 50.0
+    passes["stock_eager_prefill"] = []  # not run yet (a run cut short): the one stock that ran is the bar
+    rows, fastest = throughput.table(passes, names)
+    assert fastest == "stock" and rows[2]["ratio_vs_fastest_stock"] == 45.0 / 38.0
+    assert rows[3]["median"] is None and rows[3]["ratio_vs_fastest_stock"] is None

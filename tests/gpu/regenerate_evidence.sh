@@ -77,16 +77,21 @@ case $GROUP in
       --out "$E/bench-kernels-flat.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 \
       --contract qwen3_moe_true_on_policy_flat_v1 --out "$E/trainer-speed-flat-a3b6.json" ;;
-  throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP
+  throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP;
+    # stock both as shipped and with its prefill graphs off (the ratios' bar is the faster: fastest_stock); each line
+    # fits one 600 s device call on one H200 (a server or engine start is ~80-130 s, so at most three or four variants)
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3"
-    run $T --geometry a3b6 --variants stock tpo tpo_flat stock_eager_prefill --mem 0.5 --out "$E/throughput-cold-a3b6.json"
-    run $T --geometry a3b6 --variants stock tpo_flat tpo --mem 0.5 --http --out "$E/throughput-http-cold-a3b6.json"
+    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat tpo --mem 0.5 --out "$E/throughput-cold-a3b6.json"
+    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat --mem 0.5 --http --out "$E/throughput-http-cold-a3b6.json"
+    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo --mem 0.5 --http --out "$E/throughput-http-cold-a3b6-v1.json"
+    run $T --geometry a3b48 --variants stock stock_eager_prefill tpo_flat --new-tokens 256 --mem 0.85 --http \
+      --out "$E/throughput-http-cold-a3b48.json"
+    run $T --geometry a3b48 --variants stock stock_eager_prefill tpo --new-tokens 256 --mem 0.85 --http \
+      --out "$E/throughput-http-cold-a3b48-v1.json"
     # (traces, tens of MB each, stay outside evidence/; the GPU busy/idle summary of them is evidence)
-    run $T --geometry a3b48 --variants stock tpo tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \
+    run $T --geometry a3b48 --variants stock tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \
       --out "$E/throughput-cold-a3b48.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trace_gaps.py /tmp/tpo-traces-a3b48 --out "$E/trace-gaps-cold-a3b48.json"
-    run $T --geometry a3b48 --variants stock tpo tpo_flat --new-tokens 256 --mem 0.85 --http \
-      --out "$E/throughput-http-cold-a3b48.json" ;;
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trace_gaps.py /tmp/tpo-traces-a3b48 --out "$E/trace-gaps-cold-a3b48.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
