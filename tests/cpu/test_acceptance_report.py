@@ -5,9 +5,14 @@ import json
 import os
 import subprocess
 
+import pytest
 import torch
 
+from true_on_policy import DEFAULT_CONTRACT
+from true_on_policy.contract import get_contract
 from true_on_policy.harness import acceptance, parity, provenance
+
+FLAT = "qwen3_moe_true_on_policy_flat_v1"
 
 ARGS = {"tpo": (128, False), "eager": (128, True), "unsplit": (-1, False), "stock": (128, False),
         "no_plugin": (128, False)}
@@ -16,7 +21,7 @@ PROOF = {"background": 31, "streamed_tokens_at_submit": 4, "running_at_submit": 
 
 
 def _fake_phases(flip=None, proof=None, cached_warm=260):
-    def run_phase(name, model_path, small, folder, resume=False):
+    def run_phase(name, model_path, small, folder, resume=False, contract=None):
         w = acceptance._workload(small)
         chunk, no_graph = ARGS[name]
         out = {"server_args": {"chunked_prefill_size": chunk, "disable_cuda_graph": no_graph,
@@ -33,15 +38,16 @@ def _fake_phases(flip=None, proof=None, cached_warm=260):
             out["radix"] = {"warm": one, "cold": one, "prefix_len": 260, "cached_tokens_warm": cached_warm,
                             "cached_tokens_cold": 0}
             out["repeats_unique"] = 1
-            out["manifests"] = [{"role": "scheduler", "extra": {"cuda_graph": {"captured": True}}}]
+            out["manifests"] = [{"role": "scheduler", "fingerprint": f"fp-of-{contract}",
+                                 "extra": {"cuda_graph": {"captured": True}}}]
         if name in ("tpo", "stock"):
             out["throughput"] = {"tokens_per_s": 900.0 if name == "tpo" else 1000.0}
         return out
     return run_phase
 
 
-def _fake_trainer(model_path, seqs, prompt_lens, t, trainer):
-    assert trainer == "patched"
+def _fake_trainer(model_path, seqs, prompt_lens, t, trainer, contract=None):
+    assert trainer == "patched" and contract
     return [torch.tensor([-0.5, -1.25, -2.0]) for _ in seqs], {}
 
 
@@ -94,10 +100,51 @@ def test_resume_reuses_a_phase_from_the_same_source_without_starting_an_engine(t
         raise AssertionError("a phase from the same source must be reused")
 
     monkeypatch.setattr(provenance, "run_logged", no_engine)
-    provenance.write_evidence(tmp_path / "acceptance-eager.json", {"phase": "eager", "sample_t1.0": []},
+    provenance.write_evidence(tmp_path / "acceptance-eager.json",
+                              {"phase": "eager", "contract": DEFAULT_CONTRACT, "sample_t1.0": []},
                               provenance.provenance())
     got = acceptance._run_phase("eager", "/nonexistent/model", True, str(tmp_path), resume=True)
     assert got["phase"] == "eager" and got["sample_t1.0"] == [] and "provenance" in got
+
+
+def test_resume_runs_again_a_phase_of_another_contract(tmp_path, monkeypatch):
+    provenance.write_evidence(tmp_path / "acceptance-eager.json",
+                              {"phase": "eager", "contract": DEFAULT_CONTRACT, "old": True}, provenance.provenance())
+    ran = []
+
+    def fake_run(cmd, log, **kw):
+        ran.append(cmd)
+        out = cmd[cmd.index("--phase-out") + 1]
+        provenance.write_evidence(out, {"phase": "eager", "contract": FLAT, "old": False}, provenance.provenance(cmd))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(provenance, "run_logged", fake_run)
+    got = acceptance._run_phase("eager", "/m", True, str(tmp_path), resume=True, contract=FLAT)
+    assert len(ran) == 1 and got["old"] is False
+    assert ran[0][ran[0].index("--contract") + 1] == FLAT
+
+
+def test_the_contract_reaches_every_overlay_phase_and_the_trainer_and_an_unknown_one_is_refused_first(monkeypatch):
+    got = {}
+
+    def phases(name, model_path, small, f, resume=False, contract=None):
+        got[name] = contract
+        return _fake_phases()(name, model_path, small, f, resume, contract)
+
+    def trainer(model_path, seqs, prompt_lens, t, kind, contract=None):
+        got["trainer"] = contract
+        return _fake_trainer(model_path, seqs, prompt_lens, t, kind, contract)
+
+    monkeypatch.setattr(acceptance, "_run_phase", phases)
+    monkeypatch.setattr(parity, "trainer_logprobs", trainer)
+    ev = acceptance.run("embedded", small=True, contract=FLAT)
+    assert set(got.values()) == {FLAT} and len(got) == len(acceptance.PHASES) + 1
+    assert ev["contract"] == FLAT and ev["fingerprint"] == get_contract(FLAT).fingerprint
+    assert ev["scheduler_fingerprint"] == f"fp-of-{FLAT}"
+    got.clear()
+    with pytest.raises(KeyError, match="qwen3_moe_true_on_policy_v1"):
+        acceptance.run("embedded", small=True, contract="qwen3_moe_no_such_contract")
+    assert got == {}  # refused before any phase
 
 
 def test_resume_runs_again_a_phase_from_another_source(tmp_path, monkeypatch):
@@ -122,9 +169,9 @@ def test_a_new_folder_is_created_before_the_phases_write_into_it(tiny_cache, mon
     folder = tmp_path / "not" / "yet"
     seen = []
 
-    def phases(name, model_path, small, f, resume=False):
+    def phases(name, model_path, small, f, resume=False, contract=None):
         seen.append(os.path.isdir(f))
-        return _fake_phases()(name, model_path, small, f, resume)
+        return _fake_phases()(name, model_path, small, f, resume, contract)
 
     monkeypatch.setattr(acceptance, "_run_phase", phases)
     monkeypatch.setattr(parity, "trainer_logprobs", _fake_trainer)

@@ -76,7 +76,10 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tree-width 1 --tokens 1 64 256 4096 \
       --out "$E/bench-kernels-flat.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 \
-      --contract qwen3_moe_true_on_policy_flat_v1 --out "$E/trainer-speed-flat-a3b6.json" ;;
+      --contract qwen3_moe_true_on_policy_flat_v1 --out "$E/trainer-speed-flat-a3b6.json"
+    # every rollout claim (graphs, chunking, batch and interleaving invariance, radix hits, repeats) under the flat contract
+    run python3 -m true_on_policy.harness.acceptance $F --folder "$E/acceptance-flat-embedded" --resume \
+      --out "$E/acceptance-flat-embedded.json" ;;
   throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP;
     # stock both as shipped and with its prefill graphs off (the ratios' bar is the faster: fastest_stock); each line
     # fits one 600 s device call on one H200 (a server or engine start is ~80-130 s, so at most three or four variants)

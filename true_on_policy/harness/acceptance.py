@@ -1,6 +1,7 @@
 """Rollout acceptance on one GPU: every claim of the rollout side, measured, in one JSON file.
 
-    python -m true_on_policy.harness.acceptance [--geometry embedded|wide] [--small] [--folder DIR] --out rollout.json
+    python -m true_on_policy.harness.acceptance [--geometry embedded|wide] [--small] [--folder DIR] \
+        [--contract qwen3_moe_true_on_policy_flat_v1] --out rollout.json
 
 Chain (each link bitwise, ``torch.equal`` on the fp32 log-probs, and equal tokens):
   rollout (CUDA graphs, chunked prefill 128) == patched transformers trainer     (item 1)
@@ -13,6 +14,8 @@ Chain (each link bitwise, ``torch.equal`` on the fp32 log-probs, and equal token
 Every engine runs in its own subprocess (``--phase``), so stock and overlay never share one; a
 phase differs from ``tpo`` in one setting only. Each phase writes its results with its
 provenance, and its streamed log starts with a provenance line; the driver writes the report.
+``--contract`` runs the overlay's phases and the trainer under another contract (default: the
+main one); the report names it and its fingerprint.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def _step(name, what):
     print(f"[acceptance:{name}] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
-def _engine(name, model_path):
+def _engine(name, model_path, contract=None):
     """(engine, its sglang.Engine). tpo: graphs on, chunked prefill CHUNK; eager: graphs off
     (item 4); unsplit: chunked prefill off (item 3); stock and no_plugin: SGLang with the overlay
     off / not loaded (item 6)."""
@@ -121,18 +124,30 @@ def _engine(name, model_path):
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     kw.update({"eager": {"disable_cuda_graph": True}, "unsplit": {"chunked_prefill_size": -1}}.get(name, {}))
-    eng = TrueOnPolicyEngine(**kw)
+    eng = TrueOnPolicyEngine(contract=_contract_name(contract), **kw)
     return eng, eng.engine
 
 
-def phase(name, model_path, small, out_path):
+def _contract_name(contract):
+    from true_on_policy import DEFAULT_CONTRACT
+
+    return contract or DEFAULT_CONTRACT
+
+
+def _phase_contract(name, contract):
+    """The contract a phase runs under: None for the phases without the overlay."""
+    return None if name in ("stock", "no_plugin") else _contract_name(contract)
+
+
+def phase(name, model_path, small, out_path, contract=None):
     """One engine, one subprocess. Writes its raw results, with its provenance, to ``out_path``."""
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance()
     _step(name, "engine starting")
-    eng, sglang_engine = _engine(name, model_path)
-    res = {"phase": name, "manifests": eng.manifests() if eng is not sglang_engine else [],
+    eng, sglang_engine = _engine(name, model_path, contract)
+    res = {"phase": name, "contract": _phase_contract(name, contract),
+           "manifests": eng.manifests() if eng is not sglang_engine else [],
            "server_args": {k: getattr(sglang_engine.server_args, k, None)
                            for k in ("chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache")}}
     _step(name, "engine ready")
@@ -173,31 +188,34 @@ def phase(name, model_path, small, out_path):
     write_evidence(out_path, res, prov)
 
 
-def _reusable(path) -> bool:
-    """A finished phase is reused only if it ran from the same source and imported versions."""
+def _reusable(path, contract=None) -> bool:
+    """A finished phase is reused only if it ran from the same source and imported versions, under
+    the same contract."""
     from true_on_policy.harness import provenance
 
     with open(path) as f:
-        prev = json.load(f).get("provenance") or {}
-    return (prev.get("git"), prev.get("versions")) == (provenance.git_state(), provenance.versions())
+        done = json.load(f)
+    prev = done.get("provenance") or {}
+    return ((prev.get("git"), prev.get("versions")) == (provenance.git_state(), provenance.versions())
+            and done.get("contract") == contract)
 
 
-def _run_phase(name, model_path, small, folder, resume=False):
+def _run_phase(name, model_path, small, folder, resume=False, contract=None):
     from true_on_policy.harness.provenance import run_logged
 
     out = os.path.join(folder, f"acceptance-{name}.json")
     if resume and os.path.exists(out):
-        if _reusable(out):
+        if _reusable(out, _phase_contract(name, contract)):
             _step(name, f"reusing {out}")
             with open(out) as f:
                 return json.load(f)
-        _step(name, f"not reusing {out}: another source tree or other versions; running it again")
+        _step(name, f"not reusing {out}: another source tree, other versions or another contract; running it again")
     env = dict(os.environ)
     if name == "no_plugin":
         env["SGLANG_PLUGINS"] = "none_but_this_name_matches_nothing"
     log = os.path.join(folder, f"acceptance-{name}.log")
     cmd = [sys.executable, "-m", "true_on_policy.harness.acceptance", "--phase", name, "--model-path", model_path,
-           "--phase-out", out] + (["--small"] if small else [])
+           "--phase-out", out] + (["--small"] if small else []) + (["--contract", contract] if contract else [])
     r = run_logged(cmd, log, env=env, timeout=900)  # a provenance header, then the streamed output
     if r.returncode:
         with open(log) as lf:
@@ -219,31 +237,36 @@ def _cmp(a, b):
             "exact_fraction": float((d == 0).double().mean()) if d.numel() else 1.0}
 
 
-def run(geometry="embedded", small=False, folder=None, resume=False) -> dict:
+def run(geometry="embedded", small=False, folder=None, resume=False, contract=None) -> dict:
     """All phases, then the comparisons. ``folder`` keeps each phase's raw results and streamed
     log (default: $TRUE_ON_POLICY_EVIDENCE_DIR, else a temporary folder); ``resume`` reuses the
     phases already there that ran from the same source (a run cut short by a time limit continues
-    where it stopped); each phase's provenance is kept under ``phases``."""
+    where it stopped); each phase's provenance is kept under ``phases``. ``contract``: the overlay's
+    phases and the patched trainer run under it (default: the main contract)."""
+    from true_on_policy.contract import get_contract
     from true_on_policy.harness import tiny_model
     from true_on_policy.harness.parity import compare, trainer_logprobs
 
+    name = _contract_name(contract)
+    fingerprint = get_contract(name).fingerprint  # an unknown name is refused here, before any engine
     model_path = tiny_model.ensure(geometry)
     folder = folder or os.environ.get("TRUE_ON_POLICY_EVIDENCE_DIR")
     if folder:
         os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        ph = {n: _run_phase(n, model_path, small, folder or tmp, resume) for n in PHASES}
+        ph = {n: _run_phase(n, model_path, small, folder or tmp, resume, contract=contract) for n in PHASES}
     w = _workload(small)
     args = {n: ph[n].get("server_args", {}) for n in PHASES}
     chunk, unsplit = args["tpo"].get("chunked_prefill_size"), args["unsplit"].get("chunked_prefill_size")
-    ev = {"geometry": geometry, "small": small, "items": {}, "server_args": args,
+    ev = {"geometry": geometry, "small": small, "contract": name, "fingerprint": fingerprint,
+          "items": {}, "server_args": args,
           "phases": {n: ph[n].get("provenance") for n in PHASES}}
     items = ev["items"]
     for t in (1.0, 0.7):
         key = f"sample_t{t}"
         outs = ph["tpo"][key]
         seqs = [p + toks for p, (toks, _) in zip(w["prompts"], outs, strict=True)]
-        trainer, _ = trainer_logprobs(model_path, seqs, [len(p) for p in w["prompts"]], t, "patched")
+        trainer, _ = trainer_logprobs(model_path, seqs, [len(p) for p in w["prompts"]], t, "patched", contract=name)
         items[f"1_rollout_eq_trainer_t{t}"] = compare([lp for _, lp in outs], trainer)
         items[f"3_chunked_eq_unsplit_t{t}"] = {
             **_cmp(outs, ph["unsplit"][key]), "chunk_sizes": {"tpo": chunk, "unsplit": unsplit},
@@ -268,6 +291,7 @@ def run(geometry="embedded", small=False, folder=None, resume=False) -> dict:
     items["7_throughput"] = {"tpo": tp, "stock": st, "ratio": tp["tokens_per_s"] / st["tokens_per_s"]}
     sched = [m for m in ph["tpo"]["manifests"] if m["role"] == "scheduler"]
     ev["cuda_graph"] = sched[0]["extra"].get("cuda_graph") if sched else None
+    ev["scheduler_fingerprint"] = sched[0].get("fingerprint") if sched else None  # == fingerprint: it ran under it
     ev["manifests"] = ph["tpo"]["manifests"]
     return ev
 
@@ -279,17 +303,18 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--folder", help="keep phase results and logs here (default $TRUE_ON_POLICY_EVIDENCE_DIR)")
     p.add_argument("--resume", action="store_true", help="reuse phase results already in --folder")
+    p.add_argument("--contract", help="the overlay's phases and the trainer under this contract (default: the main one)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     p.add_argument("--phase-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.phase:
-        phase(a.phase, a.model_path, a.small, a.phase_out)
+        phase(a.phase, a.model_path, a.small, a.phase_out, a.contract)
         return 0
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.acceptance", *argv])
-    ev = run(a.geometry, a.small, a.folder, a.resume)
+    ev = run(a.geometry, a.small, a.folder, a.resume, a.contract)
     if a.out:
         write_evidence(a.out, ev, prov)
     print(json.dumps({k: v for k, v in ev["items"].items()}, default=str)[:4000])
