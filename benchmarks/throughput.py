@@ -5,7 +5,8 @@ alternated pass by pass in one run.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--prefix-cache cold] [--http] [--one-engine --mem 0.85 --passes 2] [--out X.json]
+        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--prefix-cache cold] [--http] \\
+        [--one-engine --mem 0.85 --passes 2 [--resume]] [--out X.json]
 
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
@@ -37,7 +38,11 @@ drives the model runner alone, cannot see (the scheduler, the overlap loop, outp
 (mem_fraction_static, the same for every variant), the way a user serves it. Round r starts
 each variant in turn, warms it up with the whole workload, times ``--passes`` passes, and shuts
 it down (waiting until the GPU's memory is free again) before the next variant starts; rounds
-repeat ``--repeats`` times, so the variants still alternate through the run.
+repeat ``--repeats`` times, so the variants still alternate through the run. ``--resume``
+continues a one-engine run cut short (the evidence is rewritten after each variant, marked
+incomplete): if ``--out`` holds an incomplete run from the same source, versions and arguments,
+its passes are kept and only the variants it lacks start; ``resumed_from`` lists the provenance
+of every earlier start. Anything else is run whole.
 
 "deterministic" separates what SGLang's deterministic mode costs (which the
 contract requires) from what the overlay adds; "tpo_no_logprob" shows the cost of log-probs.
@@ -64,7 +69,7 @@ FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree widt
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
                "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill",
-               "disable_overlap_schedule")
+               "disable_overlap_schedule", "cuda_graph_config")
 
 
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
@@ -328,10 +333,15 @@ def main(argv=None) -> int:
                    help="after the timed passes, one more untimed pass per variant whose first --trace-steps forwards "
                         "SGLang's torch profiler records (CPU and GPU) into DIR/VARIANT; benchmarks/trace_gaps.py reads them")
     p.add_argument("--trace-steps", type=int, default=40)
+    p.add_argument("--resume", action="store_true",
+                   help="--one-engine: continue the run cut short in --out (same source, versions and arguments): "
+                        "the passes it holds are kept, only the missing variants run; the evidence lists every start")
     p.add_argument("--http", action="store_true",
                    help="serve each variant over HTTP (launch.server / sglang.launch_server) and send every prompt as "
                         "its own concurrent /generate request, instead of one Engine.generate call")
     a = p.parse_args(argv)
+    if a.resume and not (a.one_engine and a.out):
+        p.error("--resume needs --one-engine and --out")
     if a.serve:
         serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem,
               cold=a.prefix_cache == "cold", http=a.http)
@@ -344,6 +354,22 @@ def main(argv=None) -> int:
     weights_gb = sum(os.path.getsize(os.path.join(model_path, f)) for f in os.listdir(model_path)
                      if f.endswith(".safetensors")) / 2**30
     variants, passes, mems, engines = [], {v: [] for v in a.variants}, {}, {}
+    earlier = []  # the provenance of each earlier start of a resumed run
+    if a.resume and os.path.exists(a.out):
+        with open(a.out) as f:
+            prev = json.load(f)
+        why = _not_resumable(prev, _workload_record(a, model_path))
+        if why:
+            print(f"not resuming {a.out}: {why}; running it whole", flush=True)
+        else:
+            earlier = [*prev.get("resumed_from", []), prev["provenance"]]
+            for r in prev["rows"]:
+                kept = len(r["tokens_per_s"]) // a.passes * a.passes  # whole engine starts only
+                passes[r["variant"]] = [{"tokens_per_s": x, "tokens": t}
+                                        for x, t in zip(r["tokens_per_s"][:kept], r["tokens"][:kept], strict=True)]
+            mems.update(prev["mem_fraction_static"])
+            engines.update(prev["engines"])
+            print(f"resuming {a.out}: " + ", ".join(f"{v} {len(x)} passes" for v, x in passes.items()), flush=True)
 
     def report(done: int) -> None:
         """Table and evidence of the passes so far (written after every round, and under
@@ -358,14 +384,10 @@ def main(argv=None) -> int:
             print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {med} | {ratio} | {best} |",
                   flush=True)
         if a.out:
-            write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
-                                   "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
-                                   "prefix_cache": a.prefix_cache, "client": "http" if a.http else "engine",
-                                   "repeats": a.repeats, "rounds_done": done, "complete": done == a.repeats,
-                                   "kv_gb": None if a.one_engine else a.kv_gb, "mem_fraction_static": mems,
-                                   "alternated": True, "one_engine_at_a_time": a.one_engine,
-                                   "passes_per_start": a.passes if a.one_engine else None,
-                                   "fastest_stock": fastest, "engines": engines, "rows": rows}, prov)
+            write_evidence(a.out, {**_workload_record(a, model_path), "rounds_done": done,
+                                   "complete": done == a.repeats, "mem_fraction_static": mems, "alternated": True,
+                                   "fastest_stock": fastest, "engines": engines, "rows": rows,
+                                   **({"resumed_from": earlier} if earlier else {})}, prov)
 
     if a.one_engine:
         _one_engine_rounds(a, model_path, passes, mems, engines, report)
@@ -387,6 +409,30 @@ def main(argv=None) -> int:
         for var in variants:
             var.close()
     return 0
+
+
+def _workload_record(a, model_path) -> dict:
+    """What a run measured, as its evidence records it (a resumed run must match it exactly)."""
+    return {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
+            "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
+            "prefix_cache": a.prefix_cache, "client": "http" if a.http else "engine", "repeats": a.repeats,
+            "kv_gb": None if a.one_engine else a.kv_gb, "one_engine_at_a_time": a.one_engine,
+            "passes_per_start": a.passes if a.one_engine else None, "variants": list(a.variants),
+            "mem": a.mem if a.one_engine else None}
+
+
+def _not_resumable(prev: dict, record: dict) -> str | None:
+    """Why the run in ``prev`` cannot be continued by this one (None: it can): it is complete, it
+    ran from another source tree or other versions, or it measured another workload."""
+    from true_on_policy.harness import provenance
+
+    if prev.get("complete"):
+        return "it is complete"
+    old = prev.get("provenance") or {}
+    if (old.get("git"), old.get("versions")) != (provenance.git_state(), provenance.versions()):
+        return "it ran from another source tree or other versions"
+    diff = sorted(k for k, v in record.items() if prev.get(k) != v)
+    return f"other arguments ({', '.join(diff)})" if diff else None
 
 
 def table(passes: dict, variants) -> tuple[list[dict], str | None]:
@@ -418,9 +464,13 @@ def _wait_gpu_free(total_gb: float, timeout_s: float = 120.0) -> None:
 
 
 def _one_engine_rounds(a, model_path, passes, mems, engines, report) -> None:
+    """Round r starts each variant in turn; a variant that already holds round r's passes (a
+    resumed run) is not started again."""
     total = _free_gb()
     for r in range(a.repeats):
         for v in a.variants:
+            if len(passes[v]) >= (r + 1) * a.passes:
+                continue
             mems[v] = a.mem
             var = _Variant(v, a, model_path, a.mem)
             try:

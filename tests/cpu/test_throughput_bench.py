@@ -257,3 +257,69 @@ def test_ratios_are_taken_against_the_faster_stock_and_never_the_deterministic_m
     rows, fastest = throughput.table(passes, names)
     assert fastest == "stock" and rows[2]["ratio_vs_fastest_stock"] == 45.0 / 38.0
     assert rows[3]["median"] is None and rows[3]["ratio_vs_fastest_stock"] is None
+
+
+def _main_stand_ins(monkeypatch, tmp_path, cut_after=None):
+    """main() with stand-in variants (as _one_engine_stand_ins) on a stand-in checkpoint; the
+    ``cut_after``-th engine start raises, as a device call's time limit cuts a run."""
+    from true_on_policy.harness import tiny_model
+
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "w.safetensors").write_bytes(b"0" * 1024)
+    monkeypatch.setattr(tiny_model, "ensure", lambda geometry: str(model))
+    asked = _one_engine_stand_ins(monkeypatch)
+    starts = []
+    cls = throughput._Variant
+
+    class _Cut(cls):
+        def __init__(self, name, a, path, mem):
+            starts.append(name)
+            if cut_after is not None and len(starts) > cut_after:
+                raise KeyboardInterrupt("the call's time limit")
+            super().__init__(name, a, path, mem)
+            self.n = 0
+
+        def ask(self, cmd):
+            super().ask(cmd)
+            self.n += 1
+            return {"tokens_per_s": 100.0 * len(starts) + self.n, "tokens": 7}
+
+    monkeypatch.setattr(throughput, "_Variant", _Cut)
+    return asked, starts
+
+
+def test_resume_continues_a_cut_run_with_only_its_missing_variants_and_lists_every_start(monkeypatch, tmp_path):
+    out = tmp_path / "t.json"
+    args = ["--one-engine", "--repeats", "1", "--passes", "2", "--variants", "stock", "tpo_flat", "tpo",
+            "--out", str(out)]
+    _, starts = _main_stand_ins(monkeypatch, tmp_path, cut_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        throughput.main(args)
+    first = json.loads(out.read_text())
+    assert not first["complete"] and [len(r["tokens_per_s"]) for r in first["rows"]] == [2, 0, 0]
+    _, starts = _main_stand_ins(monkeypatch, tmp_path)
+    throughput.main([*args, "--resume"])
+    done = json.loads(out.read_text())
+    assert starts == ["tpo_flat", "tpo"]  # stock is not started again
+    assert done["complete"] and [len(r["tokens_per_s"]) for r in done["rows"]] == [2, 2, 2]
+    assert done["rows"][0]["tokens_per_s"] == first["rows"][0]["tokens_per_s"]
+    assert done["resumed_from"] == [first["provenance"]]
+    # a complete run, or one of other arguments, is run whole again, never merged
+    _, starts = _main_stand_ins(monkeypatch, tmp_path)
+    throughput.main([*args, "--resume"])
+    assert starts == ["stock", "tpo_flat", "tpo"] and "resumed_from" not in json.loads(out.read_text())
+
+
+def test_resume_refuses_another_workload_and_needs_one_engine_and_out(monkeypatch, tmp_path):
+    out = tmp_path / "t.json"
+    args = ["--one-engine", "--repeats", "1", "--passes", "1", "--variants", "stock", "tpo", "--out", str(out)]
+    _main_stand_ins(monkeypatch, tmp_path, cut_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        throughput.main(args)
+    prev = json.loads(out.read_text())
+    assert throughput._not_resumable(prev, {"geometry": prev["geometry"], "new_tokens": 999}) == \
+        "other arguments (new_tokens)"
+    assert throughput._not_resumable({**prev, "complete": True}, {}) == "it is complete"
+    with pytest.raises(SystemExit):
+        throughput.main(["--resume", "--out", str(out)])

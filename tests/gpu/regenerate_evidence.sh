@@ -83,7 +83,8 @@ case $GROUP in
   throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP;
     # stock both as shipped and with its prefill graphs off (the ratios' bar is the faster: fastest_stock); each line
     # fits one 600 s device call on one H200 (a server or engine start is ~80-130 s, so at most three or four variants)
-    T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3"
+    # (--resume: a line cut short continues where it stopped when run again from the same source)
+    T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
     run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat tpo --mem 0.5 --out "$E/throughput-cold-a3b6.json"
     run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat --mem 0.5 --http --out "$E/throughput-http-cold-a3b6.json"
     run $T --geometry a3b6 --variants stock stock_eager_prefill tpo --mem 0.5 --http --out "$E/throughput-http-cold-a3b6-v1.json"
