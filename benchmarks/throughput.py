@@ -12,7 +12,7 @@ Each variant is one engine in its own process, all started first, one after the 
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
 memory just before it starts, since SGLang charges the fraction against the memory free at its
 start; ``engines`` in the evidence records what each got: KV-cache tokens, running requests, the
-largest captured decode batch); each is warmed up with the whole workload; then pass r of every
+CUDA graph settings, and ``start_s``, the seconds from its process start to ready); each is warmed up with the whole workload; then pass r of every
 variant runs before pass r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
 once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
 counts completion tokens over wall time. Every pass sends the same prompts; by default
@@ -285,9 +285,11 @@ class _Variant:
                "--new-tokens", str(args.new_tokens), "--mem", str(mem), "--prefix-cache", args.prefix_cache,
                *(["--http"] if args.http else [])]
         self.name = name
+        t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ))
         self.engine = self.result().get("engine")  # ready
+        self.start_s = time.perf_counter() - t0  # process start to engine (or server) ready
 
     def result(self) -> dict:
         for line in self.proc.stdout:
@@ -396,7 +398,7 @@ def main(argv=None) -> int:
         for v in a.variants:
             mems[v] = round(min(0.9, (weights_gb + a.kv_gb) / _free_gb()), 4)  # budget = f * free - weights
             variants.append(_Variant(v, a, model_path, mems[v]))
-            engines[v] = variants[-1].engine
+            engines[v] = _record(variants[-1])
         for var in variants:
             var.ask("warm")
         for r in range(a.repeats):
@@ -453,6 +455,12 @@ def table(passes: dict, variants) -> tuple[list[dict], str | None]:
     return rows, fastest and fastest["variant"]
 
 
+def _record(var) -> dict:
+    """The evidence's record of one engine start: what SGLang resolved, and how long it took to be ready."""
+    start = getattr(var, "start_s", None)
+    return {**(var.engine or {}), "start_s": None if start is None else round(start, 1)}
+
+
 def _wait_gpu_free(total_gb: float, timeout_s: float = 120.0) -> None:
     """Until the GPU's memory is free again (the last engine's processes gone), or raise."""
     t0 = time.time()
@@ -474,7 +482,7 @@ def _one_engine_rounds(a, model_path, passes, mems, engines, report) -> None:
             mems[v] = a.mem
             var = _Variant(v, a, model_path, a.mem)
             try:
-                engines[v] = var.engine
+                engines[v] = _record(var)
                 var.ask("warm")
                 for i in range(a.passes):
                     passes[v].append(var.ask(f"pass {r * a.passes + i}"))

@@ -278,7 +278,7 @@ def _main_stand_ins(monkeypatch, tmp_path, cut_after=None):
             if cut_after is not None and len(starts) > cut_after:
                 raise KeyboardInterrupt("the call's time limit")
             super().__init__(name, a, path, mem)
-            self.n = 0
+            self.n, self.start_s = 0, 12.34
 
         def ask(self, cmd):
             super().ask(cmd)
@@ -305,6 +305,7 @@ def test_resume_continues_a_cut_run_with_only_its_missing_variants_and_lists_eve
     assert done["complete"] and [len(r["tokens_per_s"]) for r in done["rows"]] == [2, 2, 2]
     assert done["rows"][0]["tokens_per_s"] == first["rows"][0]["tokens_per_s"]
     assert done["resumed_from"] == [first["provenance"]]
+    assert done["engines"]["tpo"] == {"v": "tpo", "start_s": 12.3}  # what it resolved, and its start time
     # a complete run, or one of other arguments, is run whole again, never merged
     _, starts = _main_stand_ins(monkeypatch, tmp_path)
     throughput.main([*args, "--resume"])
