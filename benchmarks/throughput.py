@@ -12,8 +12,9 @@ Each variant is one engine in its own process, all started first, one after the 
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
 memory just before it starts, since SGLang charges the fraction against the memory free at its
 start; ``engines`` in the evidence records what each got: KV-cache tokens, running requests, the
-CUDA graph settings, and ``start_s``, the seconds from its process start to ready); each is warmed up with the whole workload; then pass r of every
-variant runs before pass r + 1 of any (so drift of the machine hits all variants alike). A pass submits all prompts at
+CUDA graph settings, and ``start_s``, the seconds from its process start to ready); each is
+warmed up with the whole workload; then pass r of every variant runs before pass r + 1 of any
+(so drift of the machine hits all variants alike). A pass submits all prompts at
 once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
 counts completion tokens over wall time. Every pass sends the same prompts; by default
 (``--prefix-cache cold``) each engine's prefix cache is emptied before every pass, so a pass
