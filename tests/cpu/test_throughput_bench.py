@@ -37,13 +37,20 @@ class _Eng:
         self.shut = True
 
 
-def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys):
+def _serve(monkeypatch, tmp_path, capsys, name, commands, **kw):
+    """The variant process ``serve`` on a stand-in engine, fed ``commands`` on stdin; returns the
+    engine and the RESULT lines it printed."""
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
     eng = _Eng()
     monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: eng)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("warm\npass 0\nquit\n"))
-    throughput.serve("tpo", str(tmp_path), 4, 8, 16, 5, 0.5)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(commands))
+    throughput.serve(name, str(tmp_path), 4, 8, 16, 5, 0.5, **kw)
     lines = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    return eng, lines
+
+
+def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys):
+    eng, lines = _serve(monkeypatch, tmp_path, capsys, "tpo", "warm\npass 0\nquit\n")
     assert lines[0]["ready"] == "tpo" and lines[0]["engine"]["max_total_num_tokens"] == 123456
     assert set(lines[0]["engine"]) == set(throughput.ENGINE_KEYS)
     assert [x["cmd"] for x in lines[1:]] == [["warm"], ["pass", "0"]] and all(x["tokens"] == 20 for x in lines[1:])
@@ -52,11 +59,7 @@ def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys
 
 
 def test_warm_prefix_cache_never_flushes_and_a_failed_flush_is_retried_then_raises(monkeypatch, tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
-    warm = _Eng()
-    monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: warm)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("warm\npass 0\nquit\n"))
-    throughput.serve("stock", str(tmp_path), 4, 8, 16, 5, 0.5, cold=False)
+    warm, _ = _serve(monkeypatch, tmp_path, capsys, "stock", "warm\npass 0\nquit\n", cold=False)
     assert warm.calls == ["generate", "generate"]
     monkeypatch.setattr(throughput.time, "sleep", lambda s: None)
     busy = _Eng(flush_ok=(False, False, True))  # SGLang refuses while a request is in flight
@@ -199,13 +202,8 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
 
 
 def test_trace_command_profiles_one_untimed_pass(monkeypatch, tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
-    eng = _Eng()
-    monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: eng)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("pass 0\ntrace /t/tpo 40\nquit\n"))
-    throughput.serve("tpo", str(tmp_path), 4, 8, 16, 5, 0.5)
+    eng, lines = _serve(monkeypatch, tmp_path, capsys, "tpo", "pass 0\ntrace /t/tpo 40\nquit\n")
     assert eng.calls == ["flush", "generate", ("profile", "/t/tpo", 40), "flush", "generate"]
-    lines = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
     assert lines[-1]["cmd"] == ["trace", "/t/tpo", "40"]
 
 
