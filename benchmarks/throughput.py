@@ -456,10 +456,23 @@ def table(passes: dict, variants) -> tuple[list[dict], str | None]:
     return rows, fastest and fastest["variant"]
 
 
+def variant_contract(name: str) -> dict | None:
+    """The contract a variant runs under, with its fingerprint (None: stock SGLang, no contract)."""
+    if name in STOCK_EXTRA:
+        return None
+    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy.contract import get_contract
+
+    c = get_contract(FLAT if name == "tpo_flat" else DEFAULT_CONTRACT)
+    return {"name": c.name, "fingerprint": c.fingerprint}
+
+
 def _record(var) -> dict:
-    """The evidence's record of one engine start: what SGLang resolved, and how long it took to be ready."""
+    """The evidence's record of one engine start: what SGLang resolved, the contract, and how long
+    it took to be ready."""
     start = getattr(var, "start_s", None)
-    return {**(var.engine or {}), "start_s": None if start is None else round(start, 1)}
+    return {**(var.engine or {}), "contract": variant_contract(var.name),
+            "start_s": None if start is None else round(start, 1)}
 
 
 def _wait_gpu_free(total_gb: float, timeout_s: float = 120.0) -> None:

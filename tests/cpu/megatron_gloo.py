@@ -1,7 +1,8 @@
 """CPU processes over gloo, reference provider: the Megatron trainer at TP2, TP2 + SP, EP2 (expert
 ranks in the data-parallel dimension: each rank its own rows), TP2 + EP2 + SP (expert TP 1), PP2
 (even split, and uneven ``pp2u``: 2 + 1 layers of a 3-layer model) on two ranks, and TP2 x PP2
-(with and without SP) on four, against the TP1 results the calling test saved. Log-probs (plain and
+(with and without SP) on four, against the TP1 results the calling test saved; ``tp2flat``: TP2
+under the tree-width-1 contract is refused, naming the contracts that fit. Log-probs (plain and
 truncated) bitwise equal, on every rank (PP: the last stage's, broadcast); gradients close (the
 backward is a reference); the export of the sharded (or staged) model bitwise the checkpoint.
 Run: python -m torch.distributed.run --nproc_per_node N THIS CHECKPOINT TP1_RESULTS.pt LAYOUT..."""
@@ -21,7 +22,8 @@ from true_on_policy import megatron as tm  # noqa: E402
 LAYOUTS = {"tp2": dict(tp=2, ep=1, etp=2, sp=False), "tp2sp": dict(tp=2, ep=1, etp=2, sp=True),
            "ep2": dict(tp=1, ep=2, etp=1, sp=False), "tp2ep2sp": dict(tp=2, ep=2, etp=1, sp=True),
            "pp2": dict(tp=1, ep=1, etp=1, sp=False, pp=2), "pp2u": dict(tp=1, ep=1, etp=1, sp=False, pp=2, first=2),
-           "tp2pp2": dict(tp=2, ep=1, etp=2, sp=False, pp=2), "tp2pp2sp": dict(tp=2, ep=1, etp=2, sp=True, pp=2)}
+           "tp2pp2": dict(tp=2, ep=1, etp=2, sp=False, pp=2), "tp2pp2sp": dict(tp=2, ep=1, etp=2, sp=True, pp=2),
+           "tp2flat": dict(tp=2, ep=1, etp=2, sp=False, refused="qwen3_moe_true_on_policy_flat_v1")}
 
 
 def bitwise(got, want, what):
@@ -39,6 +41,20 @@ def run(path, ref, name):
     hf = load_file(f"{path}/model.safetensors")  # the checkpoint's per-expert names (SGLang's)
     model = tm.build_model(cfg, sequence_parallel=lay["sp"], num_layers_in_first_pipeline_stage=lay.get("first"))
     tm.load_hf(model, hf)
+    if "refused" in lay:  # before the tree width is set: the process may go on under its own contract
+        try:
+            tm.patch_megatron_model(model, lay["refused"])
+        except tm.MegatronLayoutError as e:
+            msg = str(e)
+        else:
+            raise AssertionError(f"{name}: patched under {lay['refused']}")
+        for want in ("tensor parallel 2 does not divide", "expert tensor parallel 2", "qwen3_moe_true_on_policy_v1",
+                     "qwen3_moe_true_on_policy_tp_preview_v1", "--true-on-policy-contract"):
+            assert want in msg, (want, msg)
+        assert not hasattr(model, "_true_on_policy_state"), "the refused model was patched"
+        ps.destroy_model_parallel()
+        print(f"megatron-ok {name} rank {dist.get_rank()}", flush=True)
+        return
     rec = tm.patch_megatron_model(model)
     assert rec["layout"]["pp"] == pp, rec
     if pp > 1:  # this stage's layers (megatron-core's split) and its end modules

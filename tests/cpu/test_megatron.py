@@ -221,8 +221,9 @@ def _launch(path, ref, nproc, layouts):
 
 
 def test_parallel_layouts_two_gloo_ranks(path, meg, tmp_path):
-    """TP2, TP2+SP, EP2, TP2+EP2+SP, PP2 on two processes (tests/cpu/megatron_gloo.py) against TP1."""
-    _launch(path, _tp1_reference(meg, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2"])
+    """TP2, TP2+SP, EP2, TP2+EP2+SP, PP2 on two processes (tests/cpu/megatron_gloo.py) against TP1;
+    TP2 under the flat contract refused with the contracts that fit named."""
+    _launch(path, _tp1_reference(meg, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2", "tp2flat"])
 
 
 def test_pipeline_tp2_pp2_four_gloo_ranks(path, meg, tmp_path):

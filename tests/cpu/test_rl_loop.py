@@ -17,3 +17,23 @@ def test_advantages_are_normalised_within_each_group():
 def test_the_loop_needs_an_evidence_path():
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_an_unknown_contract_is_refused_before_any_gpu_work(tmp_path, monkeypatch, capsys):
+    import true_on_policy.harness.rl_loop as rl
+
+    monkeypatch.setattr(rl, "run", lambda a: pytest.fail("the loop started"))
+    with pytest.raises(SystemExit) as e:
+        main(["--contract", "no_such_contract", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no_such_contract" in err and "qwen3_moe_true_on_policy_flat_v1" in err  # the known names, the fix
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_contract_named_is_the_one_the_loop_runs_under():
+    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy.harness.rl_loop import _contract
+
+    assert _contract(None).name == DEFAULT_CONTRACT
+    assert _contract("qwen3_moe_true_on_policy_flat_v1").tree_width == 1

@@ -303,7 +303,15 @@ def test_resume_continues_a_cut_run_with_only_its_missing_variants_and_lists_eve
     assert done["complete"] and [len(r["tokens_per_s"]) for r in done["rows"]] == [2, 2, 2]
     assert done["rows"][0]["tokens_per_s"] == first["rows"][0]["tokens_per_s"]
     assert done["resumed_from"] == [first["provenance"]]
-    assert done["engines"]["tpo"] == {"v": "tpo", "start_s": 12.3}  # what it resolved, and its start time
+    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy.contract import get_contract
+
+    main_c, flat_c = (get_contract(n) for n in (DEFAULT_CONTRACT, throughput.FLAT))
+    # what it resolved, the contract it ran under, and its start time
+    assert done["engines"]["tpo"] == {"v": "tpo", "start_s": 12.3,
+                                      "contract": {"name": main_c.name, "fingerprint": main_c.fingerprint}}
+    assert done["engines"]["tpo_flat"]["contract"] == {"name": flat_c.name, "fingerprint": flat_c.fingerprint}
+    assert done["engines"]["stock"]["contract"] is None and main_c.fingerprint != flat_c.fingerprint
     # a complete run, or one of other arguments, is run whole again, never merged
     _, starts = _main_stand_ins(monkeypatch, tmp_path)
     throughput.main([*args, "--resume"])

@@ -2,7 +2,8 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | throughput | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat and throughput)
+#        flat | flatcover | throughput | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat,
+#        flatcover and throughput)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -80,18 +81,29 @@ case $GROUP in
     # every rollout claim (graphs, chunking, batch and interleaving invariance, radix hits, repeats) under the flat contract
     run python3 -m true_on_policy.harness.acceptance $F --folder "$E/acceptance-flat-embedded" --resume \
       --out "$E/acceptance-flat-embedded.json" ;;
+  flatcover)  # the flat contract where only the main one has evidence: the tiny geometries at T=0.7, the 235B and
+    # 480B layer shapes, YaRN to 262k positions and the 100-step RL loop with weight pushes (as parity, largeshapes,
+    # longctx and rl); what the flat contract needs before it can be the default (README, Contracts)
+    F="--contract qwen3_moe_true_on_policy_flat_v1"
+    run $P --mode tpo --trainer patched $F --geometry embedded --temperature 0.7 --out "$E/parity-tpo-flat-embedded-t0.7.json"
+    run $P --mode tpo --trainer patched $F --geometry wide --temperature 0.7 --out "$E/parity-tpo-flat-wide-t0.7.json"
+    for g in a22b2 a35b2; do
+      run $P --mode tpo --trainer patched $F --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
+        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-flat-$g-t1.0.json"
+    done
+    run $P --mode tpo --trainer patched $F --geometry yarn262k --temperature 1.0 --long-prompts 1 --long-len 262000 \
+      --chunked-prefill-size 8192 --radix-followups 8 --out "$E/parity-tpo-flat-yarn262k-t1.0.json"
+    run python3 -m true_on_policy.harness.rl_loop $F --steps 100 --out "$E/rl-loop-flat-embedded.json" ;;
   throughput)  # the prompts computed in every pass (--prefix-cache cold, the default), over the Engine and over HTTP;
     # stock both as shipped and with its prefill graphs off (the ratios' bar is the faster: fastest_stock); each line
-    # fits one 600 s device call on one H200 (a server or engine start is ~80-130 s, so at most three or four variants)
+    # fits one 600 s device call on one H200 (a server or engine start is ~50-145 s, so at most four variants)
     # (--resume: a line cut short continues where it stopped when run again from the same source)
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
     run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat tpo --mem 0.5 --out "$E/throughput-cold-a3b6.json"
-    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat --mem 0.5 --http --out "$E/throughput-http-cold-a3b6.json"
-    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo --mem 0.5 --http --out "$E/throughput-http-cold-a3b6-v1.json"
-    run $T --geometry a3b48 --variants stock stock_eager_prefill tpo_flat --new-tokens 256 --mem 0.85 --http \
+    run $T --geometry a3b6 --variants stock tpo_flat stock_eager_prefill tpo --mem 0.5 --http \
+      --out "$E/throughput-http-cold-a3b6.json"
+    run $T --geometry a3b48 --variants stock tpo_flat stock_eager_prefill tpo --new-tokens 256 --mem 0.85 --http \
       --out "$E/throughput-http-cold-a3b48.json"
-    run $T --geometry a3b48 --variants stock stock_eager_prefill tpo --new-tokens 256 --mem 0.85 --http \
-      --out "$E/throughput-http-cold-a3b48-v1.json"
     # (traces, tens of MB each, stay outside evidence/; the GPU busy/idle summary of them is evidence)
     run $T --geometry a3b48 --variants stock tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \
       --out "$E/throughput-cold-a3b48.json"

@@ -4,7 +4,7 @@ rollout's log-probs must equal the trainer's recompute bitwise (the Ray issue's 
 in-process; ``true_on_policy.ray`` is the actor form).
 
     python -m true_on_policy.harness.rl_loop [--geometry embedded] [--steps 100] [--prompts 8] [--group 4] \\
-        [--new-tokens 32] [--lr 1e-4] [--push tensor|disk] --out evidence/rl-loop-embedded.json
+        [--new-tokens 32] [--lr 1e-4] [--push tensor|disk] [--contract NAME] --out evidence/rl-loop-embedded.json
 
 Step s: every prompt is sampled ``--group`` times (T = 1.0, one seed per sample, log-probs on);
 the trainer recomputes the sampled tokens' log-probs with gradients (``token_logprobs``) and they
@@ -12,7 +12,9 @@ are compared with the rollout's (``torch.equal`` per step, recorded); a toy rewa
 even token ids) gives group-normalised advantages; loss = -mean(advantage x log-prob); one AdamW
 step; the new weights go to the engine (``update_weights_from_tensor`` with the checkpoint's
 names, or ``update_weights_from_disk`` from a ``save_pretrained`` folder). The handshake
-(``check_rollout``) runs first. Exit code 1 if any step is not bitwise. Not yet run on a GPU.
+(``check_rollout``) runs first. Exit code 1 if any step is not bitwise. ``--contract``: the engine
+and the trainer under another contract (default: the main one); the evidence names it and its
+fingerprint, and an unknown name is refused before any GPU work.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def _push(eng, model, how: str, folder: str) -> None:
         checked(eng.engine.update_weights_from_disk(folder), "update_weights_from_disk")
 
 
+def _contract(name):
+    """The contract the loop runs under (``--contract``, else the default); unknown names raise."""
+    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy.contract import get_contract
+
+    return get_contract(name or DEFAULT_CONTRACT)
+
+
 def run(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -49,14 +59,16 @@ def run(a) -> dict:
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
     from true_on_policy.trainer import check_rollout, patch_hf_model, right_pad, token_logprobs
 
+    contract = _contract(a.contract)
     model_path = a.model_path or tiny_model.ensure(a.geometry)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
-    patch_hf_model(model)
+    patch_hf_model(model, contract.name)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     prompts = make_prompts(a.prompts, min(model.config.vocab_size, 256), a.seed, 8, 64)
     inputs = [p for p in prompts for _ in range(a.group)]
     steps = []
-    with TrueOnPolicyEngine(model_path=model_path, mem_fraction_static=0.3, random_seed=a.seed) as eng, \
+    with TrueOnPolicyEngine(contract=contract.name, model_path=model_path, mem_fraction_static=0.3,
+                            random_seed=a.seed) as eng, \
             tempfile.TemporaryDirectory(prefix="tpo-rl-") as folder:
         check_rollout(eng, model)
         for s in range(a.steps):
@@ -81,7 +93,8 @@ def run(a) -> dict:
                           "loss": float(loss)})
             print(f"step {s}: bitwise={steps[-1]['bitwise']} max|d|={steps[-1]['max_abs_diff']:.3g} "
                   f"reward={steps[-1]['mean_reward']:.3f}", flush=True)
-    return {"model_path": model_path, "geometry": None if a.model_path else a.geometry, "steps_run": len(steps),
+    return {"contract": contract.name, "fingerprint": contract.fingerprint, "model_path": model_path,
+            "geometry": None if a.model_path else a.geometry, "steps_run": len(steps),
             "prompts": a.prompts, "group": a.group, "new_tokens": a.new_tokens, "lr": a.lr, "push": a.push,
             "all_bitwise": all(x["bitwise"] for x in steps), "steps": steps}
 
@@ -97,8 +110,15 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--push", choices=("tensor", "disk"), default="tensor")
+    p.add_argument("--contract", help="the engine and the trainer under this contract (default: the main one)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    from true_on_policy.contract import UnknownContractError
+
+    try:
+        _contract(a.contract)  # an unknown name is refused here, before any GPU work
+    except UnknownContractError as e:
+        p.error(str(e))
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.rl_loop", *argv])

@@ -32,7 +32,7 @@ import types
 
 import torch
 
-from true_on_policy.contract import Contract, get_contract
+from true_on_policy.contract import Contract, get_contract, known_contracts
 from true_on_policy.kernels import embedding as _emb
 from true_on_policy.kernels import rope as _rope
 from true_on_policy.kernels import tree_reduce as _tree
@@ -111,6 +111,11 @@ def _forward(self, input_ids, position_ids=None, attention_mask=None, **ignored)
     return logits[:, :f["vocab_size"]].reshape(b, s, -1)
 
 
+def _wider(degree: int) -> str:
+    """The registered contracts whose row-parallel tree a parallel degree of ``degree`` can split."""
+    return ", ".join(n for n in known_contracts() if get_contract(n).tree_width % degree == 0) or "none"
+
+
 def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provider: str | None = None,
                          sequence_parallel: bool | None = None) -> dict:
     """Route ``model`` (a ``config.build_model`` GPTModel) through the contract's kernels.
@@ -136,8 +141,9 @@ def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", p
         return state.record
     sp = model.true_on_policy_sequence_parallel if sequence_parallel is None else sequence_parallel
     groups, stage = comm.Groups.from_parallel_state(sp), pipeline.Stage.from_parallel_state()
-    narrow = [f"{name} {comm.world(g)} does not divide the contract's tree width {c.tree_width} (the row-parallel "
-              "GEMMs' segments) -> a contract of a wider tree, or that parallel degree 1"
+    narrow = [f"{name} {comm.world(g)} does not divide {c.name}'s tree width {c.tree_width} (the row-parallel "
+              f"GEMMs' segments) -> that parallel degree 1, or on both sides a contract whose tree width it divides "
+              f"({_wider(comm.world(g))}): contract=... here, --true-on-policy-contract ... on the rollout"
               for name, g in (("tensor parallel", groups.tp), ("expert tensor parallel", groups.etp))
               if c.tree_width % comm.world(g)]
     if narrow:
