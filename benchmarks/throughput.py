@@ -6,7 +6,8 @@ alternated pass by pass in one run.
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
         [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--prefix-cache cold] [--http] \\
-        [--one-engine --mem 0.85 --passes 2 [--resume]] [--out X.json]
+        [--one-engine --mem 0.85 --passes 2 [--resume]] [--generation-config '{"top_k": 20, "top_p": 0.95}'] \
+        [--out X.json]
 
 Each variant is one engine in its own process, all started first, one after the other; each
 gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
@@ -27,6 +28,11 @@ pass, the median and the ratio to stock's median.
 variants, ``python -m sglang.launch_server`` with the same flags for the stock ones) and sends
 every prompt as its own concurrent ``/generate`` request; without it a pass is one
 ``Engine.generate`` call. The evidence records the client (``engine`` or ``http``).
+
+``--generation-config JSON`` times the sampling a real Qwen3 checkpoint asks for: its
+``generation_config.json`` (top_k 20, top_p 0.8-0.95) is applied by SGLang to every request
+(``--sampling-defaults model``), so every draw truncates. The run serves a sibling folder of the
+checkpoint, links to its files plus that generation_config.json; the evidence records it.
 
 ``--trace DIR`` adds, after the timed passes, one untimed pass per variant whose first
 ``--trace-steps`` forwards SGLang's own torch profiler records into ``DIR/VARIANT`` (the trace is
@@ -342,6 +348,11 @@ def main(argv=None) -> int:
     p.add_argument("--http", action="store_true",
                    help="serve each variant over HTTP (launch.server / sglang.launch_server) and send every prompt as "
                         "its own concurrent /generate request, instead of one Engine.generate call")
+    p.add_argument("--generation-config", metavar="JSON", type=_generation_config,
+                   help="sampling defaults in the checkpoint's generation_config.json, which SGLang applies to every "
+                        "request (--sampling-defaults model), e.g. Qwen3's '{\"top_k\": 20, \"top_p\": 0.95}'; the "
+                        "requests still send T = 1.0. The run serves a sibling folder of the checkpoint (links to its "
+                        "files) with that generation_config.json")
     a = p.parse_args(argv)
     if a.resume and not (a.one_engine and a.out):
         p.error("--resume needs --one-engine and --out")
@@ -354,6 +365,8 @@ def main(argv=None) -> int:
 
     prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
     model_path = a.model_path or tiny_model.ensure(a.geometry)
+    if a.generation_config:
+        model_path = with_generation_config(model_path, a.generation_config)
     weights_gb = sum(os.path.getsize(os.path.join(model_path, f)) for f in os.listdir(model_path)
                      if f.endswith(".safetensors")) / 2**30
     variants, passes, mems, engines = [], {v: [] for v in a.variants}, {}, {}
@@ -414,6 +427,51 @@ def main(argv=None) -> int:
     return 0
 
 
+SAMPLING_KEYS = ("top_k", "top_p", "min_p", "temperature")  # the generation_config keys a run may set
+
+
+def _generation_config(text: str) -> dict:
+    """``--generation-config``'s JSON: an object of SAMPLING_KEYS (argparse reports anything else)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(d, dict) or not d or set(d) - set(SAMPLING_KEYS):
+        raise argparse.ArgumentTypeError(f"want a JSON object of {', '.join(SAMPLING_KEYS)}, got {text!r}")
+    return d
+
+
+def with_generation_config(model_path: str, overrides: dict) -> str:
+    """A sibling of ``model_path`` whose files are links to the checkpoint's, but for a
+    generation_config.json carrying ``overrides`` (and do_sample, as Qwen3's has). Named by its
+    content, so a resumed run serves the same folder; the checkpoint itself is never written."""
+    import hashlib
+
+    src = os.path.abspath(model_path)
+    gen = {}
+    if os.path.isfile(os.path.join(src, "generation_config.json")):
+        with open(os.path.join(src, "generation_config.json")) as f:
+            gen = json.load(f)
+    gen.update(overrides, do_sample=True)
+    text = json.dumps(gen, indent=2, sort_keys=True) + "\n"
+    dst = f"{src}-gen-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    if not os.path.isdir(dst):
+        tmp = f"{dst}.tmp-{os.getpid()}"
+        os.makedirs(tmp)
+        for name in os.listdir(src):
+            if name != "generation_config.json":
+                os.symlink(os.path.join(src, name), os.path.join(tmp, name))
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            f.write(text)
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another run made it first: the same content
+            import shutil
+
+            shutil.rmtree(tmp)
+    return dst
+
+
 def _workload_record(a, model_path) -> dict:
     """What a run measured, as its evidence records it (a resumed run must match it exactly)."""
     return {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
@@ -421,7 +479,7 @@ def _workload_record(a, model_path) -> dict:
             "prefix_cache": a.prefix_cache, "client": "http" if a.http else "engine", "repeats": a.repeats,
             "kv_gb": None if a.one_engine else a.kv_gb, "one_engine_at_a_time": a.one_engine,
             "passes_per_start": a.passes if a.one_engine else None, "variants": list(a.variants),
-            "mem": a.mem if a.one_engine else None}
+            "mem": a.mem if a.one_engine else None, "generation_config": a.generation_config}
 
 
 def _not_resumable(prev: dict, record: dict) -> str | None:

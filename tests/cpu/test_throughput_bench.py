@@ -330,3 +330,36 @@ def test_resume_refuses_another_workload_and_needs_one_engine_and_out(monkeypatc
     assert throughput._not_resumable({**prev, "complete": True}, {}) == "it is complete"
     with pytest.raises(SystemExit):
         throughput.main(["--resume", "--out", str(out)])
+
+
+def test_generation_config_serves_a_linked_sibling_with_those_defaults_and_leaves_the_checkpoint(tmp_path):
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"vocab_size": 8}')
+    (ck / "model.safetensors").write_bytes(b"w")
+    (ck / "generation_config.json").write_text('{"bos_token_id": 1, "top_k": 50}')
+    got = throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.95})
+    gen = json.loads((Path(got) / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": 1, "top_k": 20, "top_p": 0.95, "do_sample": True}
+    assert json.loads((ck / "generation_config.json").read_text()) == {"bos_token_id": 1, "top_k": 50}  # untouched
+    assert (Path(got) / "model.safetensors").is_symlink() and (Path(got) / "model.safetensors").read_bytes() == b"w"
+    assert sorted(p.name for p in Path(got).iterdir()) == sorted(p.name for p in ck.iterdir())
+    assert throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.95}) == got  # same content, same folder
+    assert throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.8}) != got
+
+
+@pytest.mark.parametrize("bad", ['{"repetition_penalty": 1.1}', "[20]", "{}", "top_k=20"])
+def test_generation_config_refuses_anything_but_sampling_keys(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        throughput.main(["--generation-config", bad])
+    assert e.value.code == 2 and "--generation-config" in capsys.readouterr().err
+
+
+def test_the_workload_record_names_the_generation_config(monkeypatch, tmp_path):
+    out = tmp_path / "t.json"
+    _main_stand_ins(monkeypatch, tmp_path)
+    throughput.main(["--one-engine", "--repeats", "1", "--passes", "1", "--variants", "stock", "--out", str(out),
+                     "--generation-config", '{"top_k": 20, "top_p": 0.95}'])
+    done = json.loads(out.read_text())
+    assert done["generation_config"] == {"top_k": 20, "top_p": 0.95}
+    assert done["model_path"].startswith(str(tmp_path / "model") + "-gen-")

@@ -104,6 +104,9 @@ case $GROUP in
       --out "$E/throughput-http-cold-a3b6.json"
     run $T --geometry a3b48 --variants stock tpo_flat stock_eager_prefill tpo --new-tokens 256 --mem 0.85 --http \
       --out "$E/throughput-http-cold-a3b48.json"
+    # the sampling a real Qwen3 checkpoint asks for (its generation_config.json, applied to every request): truncated draws
+    run $T --geometry a3b48 --variants stock tpo_flat tpo --new-tokens 256 --mem 0.85 --http \
+      --generation-config '{"top_k": 20, "top_p": 0.95}' --out "$E/throughput-http-cold-a3b48-qwen3-sampling.json"
     # (traces, tens of MB each, stay outside evidence/; the GPU busy/idle summary of them is evidence)
     run $T --geometry a3b48 --variants stock tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \
       --out "$E/throughput-cold-a3b48.json"
