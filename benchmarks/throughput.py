@@ -5,7 +5,8 @@ alternated pass by pass in one run.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill] [--prefix-cache cold] [--http] \\
+        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill [tpo_pg tpo_flat_pg]] \\
+        [--prefix-cache cold] [--http] \\
         [--one-engine --mem 0.85 --passes 2 [--resume]] [--generation-config '{"top_k": 20, "top_p": 0.95}'] \
         [--out X.json]
 
@@ -28,6 +29,10 @@ pass, the median and the ratio to stock's median.
 variants, ``python -m sglang.launch_server`` with the same flags for the stock ones) and sends
 every prompt as its own concurrent ``/generate`` request; without it a pass is one
 ``Engine.generate`` call. The evidence records the client (``engine`` or ``http``).
+
+"tpo_pg" and "tpo_flat_pg" run the main and the flat contract with SGLang's prefill CUDA
+graphs on (the previews ``qwen3_moe_true_on_policy_pg_preview_v1`` and
+``qwen3_moe_true_on_policy_flat_pg_preview_v1``, not yet measured bitwise); only when named.
 
 ``--generation-config JSON`` times the sampling a real Qwen3 checkpoint asks for: its
 ``generation_config.json`` (top_k 20, top_p 0.8-0.95) is applied by SGLang to every request
@@ -70,9 +75,14 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat", "stock_eager_prefill")
+VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat", "stock_eager_prefill", "tpo_pg",
+            "tpo_flat_pg")
+DEFAULT_VARIANTS = VARIANTS[:6]  # the prefill-graph previews run when named
 FAIR_STOCK = ("stock", "stock_eager_prefill")  # the stock configurations a ratio may be taken against (see table)
 FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
+# the variants that name a contract (the others run the default one): the prefill-graph previews
+CONTRACTS = {"tpo_flat": FLAT, "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
+             "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1"}
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
                "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill",
@@ -94,7 +104,7 @@ def _engine(name, model_path, mem):
         return sglang.Engine(attention_backend="triton", sampling_backend="pytorch", **kw, **STOCK_EXTRA[name])
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
-    return TrueOnPolicyEngine(**kw, **({"contract": FLAT} if name == "tpo_flat" else {}))
+    return TrueOnPolicyEngine(**kw, **({"contract": CONTRACTS[name]} if name in CONTRACTS else {}))
 
 
 def _flush(eng, tries: int = 100) -> None:
@@ -141,7 +151,7 @@ class HttpEngine:
                    "--sampling-backend", "pytorch", *_flags(STOCK_EXTRA[name]), *common]
         else:
             cmd = [sys.executable, "-m", "launch.server", "--true-on-policy",
-                   *(["--true-on-policy-contract", FLAT] if name == "tpo_flat" else []), *common]
+                   *(["--true-on-policy-contract", CONTRACTS[name]] if name in CONTRACTS else []), *common]
         self.url = f"http://127.0.0.1:{port}"
         if log_path is None:  # kept: a server that dies says why (its tail goes into the error)
             import tempfile
@@ -328,7 +338,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
     p.add_argument("--one-engine", action="store_true", help="one engine on the GPU at a time (see the docstring)")
     p.add_argument("--passes", type=int, default=2, help="--one-engine: timed passes per engine start")
@@ -521,7 +531,7 @@ def variant_contract(name: str) -> dict | None:
     from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
 
-    c = get_contract(FLAT if name == "tpo_flat" else DEFAULT_CONTRACT)
+    c = get_contract(CONTRACTS.get(name, DEFAULT_CONTRACT))
     return {"name": c.name, "fingerprint": c.fingerprint}
 
 

@@ -132,3 +132,24 @@ def test_tree_width_is_validated(width, tp, why):
     v1 = get_contract(NAME)
     with pytest.raises(ValueError, match=why):
         dataclasses.replace(v1, tree_width=width, layouts=dataclasses.replace(v1.layouts, rollout_tp=tp))
+
+
+PG, FLAT_PG = "qwen3_moe_true_on_policy_pg_preview_v1", "qwen3_moe_true_on_policy_flat_pg_preview_v1"
+
+
+@pytest.mark.parametrize("name, base", [(PG, NAME), (FLAT_PG, FLAT)])
+def test_prefill_graph_previews_differ_from_their_base_only_in_the_prefill_graph_rule(name, base):
+    """Each preview is its base (numerics, environment, layouts, tree width) with SGLang's breakable
+    prefill graphs forced on instead of off; the bases keep their pinned fingerprints."""
+    pg, b = get_contract(name), get_contract(base)
+    assert pg.numerics == b.numerics and pg.env == b.env and pg.layouts == b.layouts and pg.tree_width == b.tree_width
+    diff = [x.dest for x, y in zip(b.args, pg.args, strict=True) if x != y]
+    assert diff == ["cuda_graph_backend_prefill"] and b.arg("cuda_graph_backend_prefill").force == "disabled"
+    rule = pg.arg("cuda_graph_backend_prefill")
+    assert rule.allowed == (None, "breakable") and not rule.forced and rule.force is None
+    from true_on_policy.contract.policy import graph_backends
+
+    assert graph_backends(pg) == {"decode": ("full", "disabled"), "prefill": ("breakable", "disabled")}
+    assert graph_backends(b) == {"decode": ("full", "disabled"), "prefill": ("disabled",)}
+    assert pg.fingerprint != b.fingerprint and Contract.from_json(pg.canonical_json()) == pg
+    assert get_contract(FLAT).fingerprint == FLAT_FINGERPRINT and "preview" in pg.notes[-1].lower()

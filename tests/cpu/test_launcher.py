@@ -73,8 +73,10 @@ def test_dry_run_refuses_pp_layouts_the_model_cannot_split(tiny_cache):
 
 def test_unknown_contract(tiny_cache):
     r = _launch("--true-on-policy", "--true-on-policy-contract", "nope_v9", "--dry-run")
-    assert r.returncode == 2 and ("known contracts: qwen3_moe_true_on_policy_flat_v1, "
-                                 "qwen3_moe_true_on_policy_tp_preview_v1, qwen3_moe_true_on_policy_v1") in r.stderr
+    from true_on_policy.contract import known_contracts
+
+    assert r.returncode == 2 and f"known contracts: {', '.join(known_contracts())}" in r.stderr
+    assert len(known_contracts()) == 5 and "qwen3_moe_true_on_policy_flat_pg_preview_v1" in r.stderr
 
 
 def test_dry_run_needs_true_on_policy():
@@ -157,9 +159,10 @@ def test_contract_flag_without_a_name_is_a_usage_error(capsys, argv):
     from launch.server import main
 
     assert main(["--true-on-policy", *argv]) == 2
+    from true_on_policy.contract import known_contracts
+
     assert capsys.readouterr().err == ("error: --true-on-policy-contract needs a contract name (known: "
-                                       "qwen3_moe_true_on_policy_flat_v1, qwen3_moe_true_on_policy_tp_preview_v1, "
-                                       "qwen3_moe_true_on_policy_v1)\n")
+                                       f"{', '.join(known_contracts())})\n")
 
 
 def test_routed_experts_and_tokenizer_workers_refused_at_launch(tiny_cache):
@@ -208,6 +211,36 @@ def test_dry_run_plans_of_the_four_and_eight_gpu_layouts(tmp_path):
     plans = json.loads(line[0][len("PLANS "):])
     assert len(plans) == 2 * len(LAYOUTS_4_8)
     for name, lay, resolved, nvls in plans:
-        asked = dict(zip(lay[::2], map(int, lay[1::2])))
+        asked = dict(zip(lay[::2], map(int, lay[1::2]), strict=True))
         assert resolved == [asked.get("--tp-size", 1), asked.get("--ep-size", 1), asked.get("--pp-size", 1)], (name, lay)
         assert nvls == "0", (name, lay)
+
+
+def test_the_prefill_graph_preview_leaves_prefill_graphs_to_sglang_and_judges_what_they_resolve_to(tiny_cache):
+    """Under the preview, --cuda-graph-backend-prefill is not forced (SGLang's CUDA default is
+    breakable; this CPU host resolves its own default, which deterministic mode turns off); a
+    backend the contract does not allow is refused whether it comes from the per-phase flag or
+    from --cuda-graph-config JSON, which wins over it; v1 still forces prefill graphs off."""
+    from true_on_policy.contract import get_contract
+
+    name = "qwen3_moe_true_on_policy_flat_pg_preview_v1"
+    r = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads(r.stdout)
+    assert plan["contract"] == name and plan["fingerprint"] == get_contract(name).fingerprint
+    assert plan["resolved"]["cuda_graph_backend_prefill"] is None and "--cuda-graph-backend-prefill" not in plan["argv"]
+    assert plan["cuda_graph_backends"]["prefill"] in ("breakable", "disabled")
+    ok = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
+                 "breakable")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["cuda_graph_backends"]["prefill"] == "breakable", ok.stderr
+    v1 = json.loads(_launch("--true-on-policy", "--dry-run").stdout)
+    assert v1["resolved"]["cuda_graph_backend_prefill"] == "disabled" and v1["cuda_graph_backends"]["prefill"] == "disabled"
+    for contract in (name, "qwen3_moe_true_on_policy_v1"):
+        r = _launch("--true-on-policy", "--true-on-policy-contract", contract, "--dry-run", "--cuda-graph-config",
+                    '{"prefill": {"backend": "tc_piecewise"}, "decode": {"backend": "breakable"}}')
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert "prefill CUDA graphs resolved to 'tc_piecewise'" in r.stderr
+        assert "decode CUDA graphs resolved to 'breakable'" in r.stderr
+    r = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
+                "tc_piecewise")
+    assert r.returncode == 2 and "--cuda-graph-backend-prefill" in r.stderr and "Traceback" not in r.stderr

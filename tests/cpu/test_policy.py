@@ -122,3 +122,29 @@ def test_the_plan_lists_a_missing_plugin_with_the_other_problems(tiny_cache, cle
     with pytest.raises(PolicyError) as e:
         build_plan(C, ["--tp-size", "3"])
     assert "true_on_policy plugin" in _subjects(e.value) and len(e.value.violations) >= 2, str(e.value)
+
+
+@pytest.mark.parametrize("contract, decode, prefill, bad", [
+    ("qwen3_moe_true_on_policy_v1", "full", "disabled", []),
+    ("qwen3_moe_true_on_policy_v1", "disabled", "disabled", []),
+    ("qwen3_moe_true_on_policy_v1", "full", "breakable", ["prefill"]),
+    ("qwen3_moe_true_on_policy_v1", "breakable", "tc_piecewise", ["decode", "prefill"]),
+    ("qwen3_moe_true_on_policy_flat_pg_preview_v1", "full", "breakable", []),
+    ("qwen3_moe_true_on_policy_flat_pg_preview_v1", "full", "disabled", []),
+    ("qwen3_moe_true_on_policy_pg_preview_v1", "full", "tc_piecewise", ["prefill"]),
+])
+def test_the_resolved_graph_backend_of_each_phase_is_judged(contract, decode, prefill, bad):
+    """What SGLang resolved (its Backend values), not the per-phase flags: one violation per phase
+    outside the contract's backends; an unresolved namespace (no cuda_graph_config) is left to
+    the per-phase rules."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from true_on_policy.contract.policy import check_graph_backends
+
+    assert {decode, prefill} <= set(Backend.ALL)
+    cfg = SimpleNamespace(decode=SimpleNamespace(backend=decode), prefill=SimpleNamespace(backend=prefill))
+    got = check_graph_backends(get_contract(contract), SimpleNamespace(cuda_graph_config=cfg))
+    assert [v.found.split()[1] for v in got] == bad and all(v.subject == "--cuda-graph-config" for v in got)
+    assert check_graph_backends(get_contract(contract), SimpleNamespace()) == []

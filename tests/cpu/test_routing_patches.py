@@ -38,6 +38,20 @@ else:
 RMSNorm.forward_cuda = ours
 cuda_graph._make_capture(lambda self: None)(Runner())
 assert cuda_graph.CAPTURED['decode_batch_sizes'] == [1, 2, 4]
+# the prefill runner's capture is guarded and recorded the same way (its token counts)
+from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+assert PrefillCudaGraphRunner.capture.__wrapped__ is not None  # installed by apply_all
+class PrefillRunner: capture_num_tokens = [8, 4, 16]
+cuda_graph._make_capture(lambda self: None, cuda_graph.PREFILL_CAPTURE)(PrefillRunner())
+assert cuda_graph.CAPTURED['prefill_num_tokens'] == [4, 8, 16] and cuda_graph.CAPTURED['prefill_captured']
+RMSNorm.forward_cuda = ours.__wrapped__
+try:
+    cuda_graph._make_capture(lambda self: None, cuda_graph.PREFILL_CAPTURE)(PrefillRunner())
+except PatchError as e:
+    assert 'RMSNorm.forward_cuda' in str(e), e
+else:
+    raise AssertionError('prefill capture with an overwritten patch accepted')
+RMSNorm.forward_cuda = ours
 
 g = torch.Generator().manual_seed(0)
 # 2. RMSNorm: the class method is ours; residual and plain patterns; 3-D input keeps its shape

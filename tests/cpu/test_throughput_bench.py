@@ -363,3 +363,25 @@ def test_the_workload_record_names_the_generation_config(monkeypatch, tmp_path):
     done = json.loads(out.read_text())
     assert done["generation_config"] == {"top_k": 20, "top_p": 0.95}
     assert done["model_path"].startswith(str(tmp_path / "model") + "-gen-")
+
+
+def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch):
+    """The Engine and the server of every overlay variant get the contract ``variant_contract``
+    records (the default one where none is named); the prefill-graph previews run only when named."""
+    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy.rollout import engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "TrueOnPolicyEngine", lambda **kw: kw)
+    popen = []
+    monkeypatch.setattr(throughput.subprocess, "Popen", lambda cmd, **kw: popen.append(cmd) or None)
+    monkeypatch.setattr(throughput.HttpEngine, "_wait_up", lambda self, t: None)
+    for name in (v for v in throughput.VARIANTS if v not in throughput.STOCK_EXTRA):
+        want = throughput.variant_contract(name)["name"]
+        assert want == throughput.CONTRACTS.get(name, DEFAULT_CONTRACT)
+        assert throughput._engine(name, "/m", 0.5).get("contract", DEFAULT_CONTRACT) == want
+        throughput.HttpEngine(name, "/m", 0.5, port=1)
+        cmd = popen[-1]
+        got = cmd[cmd.index("--true-on-policy-contract") + 1] if "--true-on-policy-contract" in cmd else DEFAULT_CONTRACT
+        assert got == want, (name, cmd)
+    assert {"tpo_pg", "tpo_flat_pg"}.isdisjoint(throughput.DEFAULT_VARIANTS)
+    assert throughput.variant_contract("tpo_flat_pg")["name"] == "qwen3_moe_true_on_policy_flat_pg_preview_v1"

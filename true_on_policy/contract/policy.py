@@ -83,13 +83,44 @@ def check_args(contract: Contract, server_args) -> list[Violation]:
 
 def check_resolved(contract: Contract, server_args) -> list[Violation]:
     """Rules on SGLang's *resolved* arguments only (its resolution sets what they check): at an
-    allowed pp > 1 the overlap schedule must be off (SGLang's ``check_server_args`` asserts it)."""
+    allowed pp > 1 the overlap schedule must be off (SGLang's ``check_server_args`` asserts it);
+    the CUDA-graph backend each phase resolved to is one the contract allows (see ``graph_backends``)."""
+    out = []
     pp = getattr(server_args, "pp_size", 1)
     allowed = any(r.dest == "pp_size" and member(pp, r.allowed) for r in contract.args)
     if isinstance(pp, int) and pp > 1 and allowed and getattr(server_args, "disable_overlap_schedule", None) is not True:
-        return [Violation("--disable-overlap-schedule", f"off at --pp-size {pp} (SGLang's pipeline scheduler has no "
-                          "overlap mode; its check_server_args refuses the pair)", "pass --disable-overlap-schedule")]
-    return []
+        out.append(Violation("--disable-overlap-schedule", f"off at --pp-size {pp} (SGLang's pipeline scheduler has "
+                             "no overlap mode; its check_server_args refuses the pair)", "pass --disable-overlap-schedule"))
+    return out + check_graph_backends(contract, server_args)
+
+
+def graph_backends(contract: Contract) -> dict[str, tuple]:
+    """Per phase, the CUDA-graph backends a run under ``contract`` may resolve to: the values its
+    ``cuda_graph_backend_<phase>`` rule allows (None there is SGLang's default, which resolution
+    turns into one of them), and "disabled" (graphs off: the eager path every graph is held to)."""
+    out = {}
+    for phase in ("decode", "prefill"):
+        rule = next((r for r in contract.args if r.dest == f"cuda_graph_backend_{phase}"), None)
+        if rule is not None:
+            out[phase] = tuple(dict.fromkeys([*(str(v) for v in rule.allowed if v is not None), "disabled"]))
+    return out
+
+
+def check_graph_backends(contract: Contract, server_args) -> list[Violation]:
+    """SGLang resolves the graph backend of each phase from several flags, and ``--cuda-graph-config``
+    JSON wins over the per-phase ones the contract's rules read: judge what it resolved to."""
+    config = getattr(server_args, "cuda_graph_config", None)
+    out = []
+    for phase, allowed in graph_backends(contract).items():
+        backend = getattr(getattr(config, phase, None), "backend", None)
+        if backend is None:
+            continue  # not resolved (an unresolved namespace): the per-phase rules judged it
+        value = str(getattr(backend, "value", backend))
+        if value not in allowed:
+            out.append(Violation("--cuda-graph-config", f"the {phase} CUDA graphs resolved to {value!r} (the contract "
+                                 f"allows {', '.join(allowed)} for {phase})",
+                                 f"drop the {phase} backend from --cuda-graph-config (or give one of those)"))
+    return out
 
 
 def check_env(contract: Contract, environ=None) -> list[Violation]:

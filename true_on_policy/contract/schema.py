@@ -208,6 +208,7 @@ def known_contracts() -> list[str]:
 def _load_builtin() -> None:
     from true_on_policy.contract import (  # noqa: F401  (register on import)
         qwen3_moe_flat_v1,
+        qwen3_moe_prefill_graphs_preview_v1,
         qwen3_moe_tp_preview_v1,
         qwen3_moe_v1,
     )
