@@ -148,3 +148,27 @@ def test_the_resolved_graph_backend_of_each_phase_is_judged(contract, decode, pr
     got = check_graph_backends(get_contract(contract), SimpleNamespace(cuda_graph_config=cfg))
     assert [v.found.split()[1] for v in got] == bad and all(v.subject == "--cuda-graph-config" for v in got)
     assert check_graph_backends(get_contract(contract), SimpleNamespace()) == []
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("json_model_override_args", "{}", True), ("json_model_override_args", "", True),
+    ("json_model_override_args", '{"rms_norm_eps": 0.001}', False), ("json_model_override_args", "{not json", False),
+    ("load_format", "auto", True), ("load_format", "safetensors", True), ("load_format", "pt", True),
+    ("load_format", "dummy", False), ("load_format", "gguf", False), ("load_format", "bitsandbytes", False),
+    ("model_impl", "auto", True), ("model_impl", "sglang", True), ("model_impl", "transformers", False),
+])
+def test_the_model_sglang_builds_must_be_the_checkpoint_the_trainer_loads(field, value, ok):
+    from types import SimpleNamespace
+
+    from true_on_policy.contract.policy import check_model_source
+
+    base = {"json_model_override_args": "{}", "load_format": "auto", "model_impl": "auto"}
+    got = check_model_source(SimpleNamespace(**{**base, field: value}))
+    assert got == [] if ok else [v.subject for v in got] == ["--" + field.replace("_", "-")]
+
+
+def test_model_source_flags_are_refused_at_launch_in_one_message(tiny_cache, clean_env):
+    with pytest.raises(PolicyError) as e:
+        build_plan(C, ["--json-model-override-args", '{"num_experts_per_tok": 1}', "--load-format", "dummy",
+                       "--model-impl", "transformers"])
+    assert {"--json-model-override-args", "--load-format", "--model-impl"} <= _subjects(e.value)

@@ -91,7 +91,38 @@ def check_resolved(contract: Contract, server_args) -> list[Violation]:
     if isinstance(pp, int) and pp > 1 and allowed and getattr(server_args, "disable_overlap_schedule", None) is not True:
         out.append(Violation("--disable-overlap-schedule", f"off at --pp-size {pp} (SGLang's pipeline scheduler has "
                              "no overlap mode; its check_server_args refuses the pair)", "pass --disable-overlap-schedule"))
-    return out + check_graph_backends(contract, server_args)
+    return out + check_graph_backends(contract, server_args) + check_model_source(server_args)
+
+
+LOAD_FORMATS = ("auto", "safetensors", "pt")  # the checkpoint's own bf16 tensors, as the trainer loads them
+MODEL_IMPLS = ("auto", "sglang")  # the overlay patches SGLang's own Qwen3-MoE classes
+
+
+def check_model_source(server_args) -> list[Violation]:
+    """The model SGLang builds must be the checkpoint the trainer loads: its config.json unchanged
+    (``--json-model-override-args``), its weights as stored (``--load-format``: dummy draws random
+    ones, gguf and bitsandbytes quantise), and SGLang's own Qwen3-MoE classes, the ones the overlay
+    patches (``--model-impl``). Not contract data: no fingerprint depends on these."""
+    out = []
+    override = getattr(server_args, "json_model_override_args", None)
+    try:
+        overridden = bool(json.loads(override)) if isinstance(override, str) and override.strip() else bool(override)
+    except json.JSONDecodeError:
+        overridden = True
+    if overridden:
+        out.append(Violation("--json-model-override-args", f"{override!r} (the rollout's model config would differ "
+                             "from the checkpoint's config.json, which the trainer loads)",
+                             "drop it; change config.json in a copy of the checkpoint and point both sides at it"))
+    fmt = getattr(server_args, "load_format", "auto")
+    if fmt not in LOAD_FORMATS:
+        out.append(Violation("--load-format", f"{fmt!r} (not the checkpoint's stored tensors as the trainer loads "
+                             "them: dummy weights are random, gguf / bitsandbytes quantised)",
+                             f"one of {', '.join(LOAD_FORMATS)} (auto: the default)"))
+    impl = getattr(server_args, "model_impl", "auto")
+    if impl not in MODEL_IMPLS:
+        out.append(Violation("--model-impl", f"{impl!r} (the overlay patches SGLang's own Qwen3-MoE implementation; "
+                             "another would run unpatched kernels)", "auto (the default) or sglang"))
+    return out
 
 
 def graph_backends(contract: Contract) -> dict[str, tuple]:
