@@ -25,7 +25,9 @@ def _fake_phases(flip=None, proof=None, cached_warm=260):
         w = acceptance._workload(small)
         chunk, no_graph = ARGS[name]
         out = {"server_args": {"chunked_prefill_size": chunk, "disable_cuda_graph": no_graph,
-                               "disable_radix_cache": False}}
+                               "disable_radix_cache": False},
+               "cuda_graph_backends": {"decode": "disabled" if no_graph else "full",
+                                       "prefill": "disabled" if no_graph else "breakable"}}
         for t in (1.0, 0.7):
             out[f"sample_t{t}"] = [([1, 2, 3], [-0.5, -1.25, -2.0]) for _ in w["prompts"]]
         if name == flip:
@@ -71,6 +73,8 @@ def test_report_items_all_pass(tiny_cache, monkeypatch):
     long = sum(len(p) > 128 for p in acceptance._workload(True)["prompts"])
     assert chunked["prompts_longer_than_chunk"] == long > 0  # the workload really splits at 128
     assert items["4_graph_eq_eager_t1.0"]["disable_cuda_graph"] == {"tpo": False, "eager": True}
+    assert items["4_graph_eq_eager_t1.0"]["cuda_graph_backends"] == {
+        "tpo": {"decode": "full", "prefill": "breakable"}, "eager": {"decode": "disabled", "prefill": "disabled"}}
     assert items["5_repeats_unique"] == 1 and abs(items["7_throughput"]["ratio"] - 0.9) < 1e-12
     assert ev["cuda_graph"] == {"captured": True}
     assert set(ev["phases"]) == set(acceptance.PHASES)

@@ -141,6 +141,7 @@ def _phase_contract(name, contract):
 
 def phase(name, model_path, small, out_path, contract=None):
     """One engine, one subprocess. Writes its raw results, with its provenance, to ``out_path``."""
+    from true_on_policy.contract.launch_plan import resolved_graph_backends
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance()
@@ -149,7 +150,8 @@ def phase(name, model_path, small, out_path, contract=None):
     res = {"phase": name, "contract": _phase_contract(name, contract),
            "manifests": eng.manifests() if eng is not sglang_engine else [],
            "server_args": {k: getattr(sglang_engine.server_args, k, None)
-                           for k in ("chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache")}}
+                           for k in ("chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache")},
+           "cuda_graph_backends": resolved_graph_backends(sglang_engine.server_args)}
     _step(name, "engine ready")
     try:
         w = _workload(small)
@@ -272,7 +274,10 @@ def run(geometry="embedded", small=False, folder=None, resume=False, contract=No
             **_cmp(outs, ph["unsplit"][key]), "chunk_sizes": {"tpo": chunk, "unsplit": unsplit},
             "prompts_longer_than_chunk": sum(len(p) > chunk for p in w["prompts"]) if chunk and chunk > 0 else 0}
         items[f"4_graph_eq_eager_t{t}"] = {**_cmp(outs, ph["eager"][key]), "disable_cuda_graph": {
-            "tpo": args["tpo"].get("disable_cuda_graph"), "eager": args["eager"].get("disable_cuda_graph")}}
+            "tpo": args["tpo"].get("disable_cuda_graph"), "eager": args["eager"].get("disable_cuda_graph")},
+            # the backend of each phase's graphs as SGLang resolved them (prefill "breakable" under the
+            # prefill-graph previews: then this item also holds prefill graphs to eager prefills)
+            "cuda_graph_backends": {n: ph[n].get("cuda_graph_backends") for n in ("tpo", "eager")}}
         items[f"6_inert_t{t}"] = _cmp(ph["stock"][key], ph["no_plugin"][key])
     bi = ph["tpo"]["batch_invariance"]
     proof = bi["interleaving_proof"]
