@@ -31,6 +31,7 @@ from true_on_policy.contract.policy import (
     check_versions,
     member,
     model_problems,
+    resolved_graph_backends,
 )
 from true_on_policy.redact import redact, redact_text
 
@@ -58,16 +59,6 @@ class LaunchPlan:
             "resolved": {r.dest: getattr(sa, r.dest, None) for r in self.contract.args},
             "cuda_graph_backends": resolved_graph_backends(sa),
         })
-
-
-def resolved_graph_backends(server_args) -> dict:
-    """The CUDA-graph backend SGLang resolved for each phase (what ``policy.check_graph_backends`` judged)."""
-    config = getattr(server_args, "cuda_graph_config", None)
-    out = {}
-    for phase in ("decode", "prefill"):
-        backend = getattr(getattr(config, phase, None), "backend", None)
-        out[phase] = None if backend is None else str(getattr(backend, "value", backend))
-    return out
 
 
 class _Parser(argparse.ArgumentParser):

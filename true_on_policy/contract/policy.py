@@ -137,16 +137,26 @@ def graph_backends(contract: Contract) -> dict[str, tuple]:
     return out
 
 
+def resolved_graph_backends(server_args) -> dict:
+    """The CUDA-graph backend SGLang resolved for each phase (None: not resolved, as in an
+    unresolved namespace)."""
+    config = getattr(server_args, "cuda_graph_config", None)
+    out = {}
+    for phase in ("decode", "prefill"):
+        backend = getattr(getattr(config, phase, None), "backend", None)
+        out[phase] = None if backend is None else str(getattr(backend, "value", backend))
+    return out
+
+
 def check_graph_backends(contract: Contract, server_args) -> list[Violation]:
     """SGLang resolves the graph backend of each phase from several flags, and ``--cuda-graph-config``
     JSON wins over the per-phase ones the contract's rules read: judge what it resolved to."""
-    config = getattr(server_args, "cuda_graph_config", None)
+    resolved = resolved_graph_backends(server_args)
     out = []
     for phase, allowed in graph_backends(contract).items():
-        backend = getattr(getattr(config, phase, None), "backend", None)
-        if backend is None:
+        value = resolved[phase]
+        if value is None:
             continue  # not resolved (an unresolved namespace): the per-phase rules judged it
-        value = str(getattr(backend, "value", backend))
         if value not in allowed:
             out.append(Violation("--cuda-graph-config", f"the {phase} CUDA graphs resolved to {value!r} (the contract "
                                  f"allows {', '.join(allowed)} for {phase})",

@@ -141,7 +141,7 @@ def _phase_contract(name, contract):
 
 def phase(name, model_path, small, out_path, contract=None):
     """One engine, one subprocess. Writes its raw results, with its provenance, to ``out_path``."""
-    from true_on_policy.contract.launch_plan import resolved_graph_backends
+    from true_on_policy.contract.policy import resolved_graph_backends
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance()
