@@ -16,12 +16,19 @@ the bf16 graph buffers) and nothing summed them early (SGLang's fused all-reduce
 ``_sglang_needs_allreduce_fusion``, refused by the contract's arguments). This hook asserts it on
 every proxy a stage returns (a few attribute reads; under a decode graph, once at capture).
 Nothing is rewritten; it can go with the rest of the overlay.
+
+The same wrapper starts each pass of the layer stack by dropping the RoPE cos/sin table of the
+previous pass (``patches/rope.py``). ``Qwen3MoeForCausalLM.forward`` drops it too, but SGLang's
+breakable prefill CUDA graphs capture this layer stack alone: without the drop here, the first
+layer of a capture found the table its eager warm-up had just built, so the captured graph read
+cos/sin from a tensor outside its memory pool, freed at the next forward (an illegal memory
+access at the first replay, stale values at best).
 """
 
 from __future__ import annotations
 
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, after, wrap
+from true_on_policy.patching import PatchError, wrap
 
 MODEL_FORWARD = "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward"
 
@@ -51,11 +58,20 @@ def check_boundary(result, model) -> None:
                          f"the next stage's first layer expects: {'; '.join(bad)}")
 
 
-def _boundary(result, self, *args, **kwargs) -> None:
-    check_boundary(result, self)
+def _make_model_forward(original):
+    from true_on_policy.patches import rope
+
+    def tpo_model_forward(self, *args, **kwargs):
+        rope.forward_starts()  # the layers' cos/sin table lives for one pass of this layer stack
+        result = original(self, *args, **kwargs)
+        check_boundary(result, self)
+        return result
+
+    return tpo_model_forward
 
 
 def apply(policy) -> PatchRecord:
-    rep = wrap(MODEL_FORWARD, after(_boundary))
+    rep = wrap(MODEL_FORWARD, _make_model_forward)
     return PatchRecord.of("pipeline", [rep],
-                          ["PP stage boundary: PPProxyTensors carry the unsummed (h, residual) pair in the model dtype"])
+                          ["PP stage boundary: PPProxyTensors carry the unsummed (h, residual) pair in the model dtype",
+                           "a pass of the layer stack starts: the RoPE cos/sin table of the previous pass is dropped"])

@@ -12,8 +12,10 @@ cos/sin are built once per forward pass: the first layer's call builds them from
 positions tensor and later layers given the same tensor reuse them (a position's values never
 depend on the call: the same bits; four fewer kernels in every later layer: cast, multiply, cos, sin). The table lives for one
 forward only: it is dropped when ``Qwen3MoeForCausalLM.forward`` (or its split-prefill form) starts,
-so a positions tensor of an earlier step is never matched. Under CUDA-graph capture the first
-layer's kernels are captured, and every replay rebuilds the table before the layers read it.
+so a positions tensor of an earlier step is never matched, and again when a pass of the layer
+stack (``Qwen2MoeModel.forward``) starts, which is all a breakable prefill CUDA graph captures
+(patches/pipeline.py). Under CUDA-graph capture the first layer's kernels are captured, and
+every replay rebuilds the table before the layers read it.
 
 Scaled rotary classes inherit ``forward_native``, so the replacement reads the instance's own
 parameters: ``RotaryEmbedding`` is default RoPE, ``YaRNScalingRotaryEmbedding`` is YaRN (factor,
@@ -35,7 +37,9 @@ MODEL_FORWARDS = ("sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM.forward",
 _TABLE: dict = {}  # id(rotary embedding) -> (positions, its data_ptr, cos, sin) of the forward in progress
 
 
-def _forward_starts(*args, **kwargs) -> None:
+def forward_starts(*args, **kwargs) -> None:
+    """A forward pass starts: the table of the previous one is dropped (also called when a pass
+    of the layer stack starts, ``patches/pipeline.py``)."""
     _TABLE.clear()
 
 
@@ -112,7 +116,7 @@ def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=
 
 
 def apply(policy) -> PatchRecord:
-    reps = [wrap(FORWARD_NATIVE, replacing(tpo_rope))] + [wrap(t, before(_forward_starts)) for t in MODEL_FORWARDS]
+    reps = [wrap(FORWARD_NATIVE, replacing(tpo_rope))] + [wrap(t, before(forward_starts)) for t in MODEL_FORWARDS]
     return PatchRecord.of("rope", reps,
                           ["fp32 cos/sin from positions (kernels.rope.cos_sin; YaRN from the instance's parameters), "
                            "built once per forward (dropped when Qwen3MoeForCausalLM.forward starts), fp32 apply, one "

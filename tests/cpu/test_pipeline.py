@@ -272,3 +272,31 @@ def test_stage_boundary_must_be_the_unsummed_bf16_pair():
     fused._sglang_needs_allreduce_fusion = True
     with pytest.raises(PatchError, match="fused all-reduce"):
         check_boundary(PPProxyTensors({"hidden_states": fused, "residual": h}), model)
+
+
+def test_each_pass_of_the_layer_stack_builds_its_own_rope_table():
+    """SGLang's breakable prefill CUDA graphs capture ``Qwen2MoeModel.forward`` alone, right after an
+    eager warm-up on the same positions tensor. The capture's first layer must build cos/sin anew
+    (inside the capture, in the graph's pool), never reuse the warm-up's table: that tensor is freed
+    at the next forward while the graph still reads it (an illegal memory access on the H200)."""
+    from true_on_policy.patches import rope
+    from true_on_policy.patches.pipeline import _make_model_forward
+
+    emb = types.SimpleNamespace(head_size=8, base=10000.0)
+    positions = torch.arange(5)
+    passes = []
+
+    def layer_stack(self, positions):  # two layers, as Qwen2MoeModel.forward runs them
+        tables = [rope._cos_sin_of_forward(emb, positions, None) for _ in range(2)]
+        passes.append(tables)
+        return torch.zeros(5, 4, dtype=torch.bfloat16)
+
+    forward = _make_model_forward(layer_stack)
+    model = _W(4).to(torch.bfloat16)
+    forward(model, positions)  # the warm-up
+    forward(model, positions)  # the capture: the same positions tensor
+    (warm0, warm1), (cap0, cap1) = passes
+    assert warm1[0] is warm0[0] and cap1[0] is cap0[0]  # within a pass, later layers reuse the first's table
+    assert cap0[0] is not warm0[0] and cap0[1] is not warm0[1]  # a new pass builds its own
+    assert torch.equal(cap0[0], warm0[0]) and torch.equal(cap0[1], warm0[1])
+    rope.forward_starts()
