@@ -116,6 +116,11 @@ case $GROUP in
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
     run $T --geometry a3b48 --variants stock tpo_flat_pg tpo_pg --new-tokens 256 --mem 0.85 --http \
       --out "$E/throughput-http-cold-a3b48-pg.json"
+    for c in flat_pg pg; do  # at 6 layers first (a 7 GB checkpoint, ~2 min each), then at 48
+      run $P --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_${c}_preview_v1 --geometry a3b6 \
+        --temperature 1.0 --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 \
+        --cuda-graph-max-bs 80 --out "$E/parity-tpo-${c}-a3b6-t1.0.json"
+    done
     for c in flat_pg pg; do
       run $P --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_${c}_preview_v1 --geometry a3b48 \
         --temperature 1.0 --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 \
