@@ -9,8 +9,11 @@ drives: same server arguments, CUDA graphs captured up to the largest batch, T =
 log-probs on, one seed per request), the way ``sglang.benchmark.one_batch`` drives it:
 
 - stock: SGLang 0.5.17 as a user runs it (triton attention, pytorch sampling);
-- tpo: the contract's resolved server arguments and environment, every patch applied;
-- tpo_flat (``--variants stock tpo tpo_flat``): the same under the flat contract (tree width 1).
+- tpo: the default contract's (``true_on_policy.DEFAULT_CONTRACT``, the flat one since 2026-12-01)
+  resolved server arguments and environment, every patch applied;
+- tpo_flat: the same under the flat contract named explicitly (tree width 1);
+- tpo_v1 (``--variants stock tpo tpo_v1``): the same under ``qwen3_moe_true_on_policy_v1`` (tree
+  width 8; evidence from before the switch profiled it as ``tpo``).
 
 The ratio column is the last variant's time over the first's.
 
@@ -33,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("stock", "tpo", "tpo_flat")  # tpo_flat: the flat contract (tree width 1); not run by default
-FLAT = "qwen3_moe_true_on_policy_flat_v1"
+VARIANTS = ("stock", "tpo", "tpo_flat", "tpo_v1")  # tpo_flat, tpo_v1: a contract by name; not run by default
+FLAT, V1 = "qwen3_moe_true_on_policy_flat_v1", "qwen3_moe_true_on_policy_v1"
 # kernel-name pattern -> op (first match wins); unmatched names are "other"
 OPS = [
     (r"_matmul_tma_kernel|nvjet|gemm|cutlass|sm90_xmma|cublas", "dense GEMM"),
@@ -88,12 +91,12 @@ def _server_args(variant: str, model_path: str, max_bs: int, manifest_dir: str):
 
         env.disable_overlay()
         return ServerArgs(attention_backend="triton", sampling_backend="pytorch", **kw)
-    from true_on_policy import DEFAULT_CONTRACT, patches
+    from true_on_policy import patches
     from true_on_policy.contract import get_contract
     from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs
     from true_on_policy.contract.policy import RuntimePolicy
 
-    plan = build_plan_from_kwargs(get_contract(FLAT if variant == "tpo_flat" else DEFAULT_CONTRACT), kw)
+    plan = build_plan_from_kwargs(get_contract(variant_contract(variant)), kw)
     apply_env(plan, manifest_dir)
     patches.apply_all(RuntimePolicy.from_env("scheduler"))  # what the plugin does in a scheduler
     return plan.server_args
@@ -148,6 +151,15 @@ def _host_split(runner, batch, state, torch, n=20) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
 
 
+def variant_contract(variant: str) -> str | None:
+    """The contract a variant runs (None: stock)."""
+    if variant == "stock":
+        return None
+    from true_on_policy import DEFAULT_CONTRACT
+
+    return {"tpo_flat": FLAT, "tpo_v1": V1}.get(variant, DEFAULT_CONTRACT)
+
+
 def phase(variant: str, model_path: str, batches: list[int], prefill: int, context: int, steps: int,
           workdir: str) -> dict:
     import torch
@@ -172,7 +184,8 @@ def phase(variant: str, model_path: str, batches: list[int], prefill: int, conte
 
     result = {"variant": variant, "server_args": {k: str(getattr(server_args, k, None)) for k in (
         "attention_backend", "sampling_backend", "enable_deterministic_inference", "rl_on_policy_target",
-        "disable_cuda_graph", "cuda_graph_max_bs_decode")}, "decode": {}, "prefill": None}
+        "disable_cuda_graph", "cuda_graph_max_bs_decode")}, "contract": variant_contract(variant), "decode": {},
+        "prefill": None}
     for b in batches:
         runner.clear()
         state = {}

@@ -1,11 +1,13 @@
 """End-to-end rollout throughput: stock SGLang, SGLang's deterministic mode alone, and
-``--true-on-policy`` (with and without returned log-probs, and under the tree-width-1 contract
-``qwen3_moe_true_on_policy_flat_v1``: ``tpo_flat``), same model and workload, variants
-alternated pass by pass in one run.
+``--true-on-policy`` (the default contract, ``true_on_policy.DEFAULT_CONTRACT``, with and without
+returned log-probs; ``tpo_v1``: the tree-width-8 contract ``qwen3_moe_true_on_policy_v1``;
+``tpo_flat``: the flat contract named explicitly, the default since 2026-12-01, so the same as
+``tpo`` now), same model and workload, variants alternated pass by pass in one run. Every engine
+record names its contract and fingerprint (evidence from before the switch ran v1 as ``tpo``).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
         [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob tpo_flat stock_eager_prefill [tpo_pg tpo_flat_pg]] \\
+        [--variants stock deterministic tpo tpo_no_logprob tpo_v1 stock_eager_prefill [tpo_flat tpo_pg tpo_flat_pg]] \\
         [--prefix-cache cold] [--http] \\
         [--one-engine --mem 0.85 --passes 2 [--resume]] [--generation-config '{"top_k": 20, "top_p": 0.95}'] \\
         [--out X.json]
@@ -30,9 +32,10 @@ variants, ``python -m sglang.launch_server`` with the same flags for the stock o
 every prompt as its own concurrent ``/generate`` request; without it a pass is one
 ``Engine.generate`` call. The evidence records the client (``engine`` or ``http``).
 
-"tpo_pg" and "tpo_flat_pg" run the main and the flat contract with SGLang's prefill CUDA
+"tpo_pg" and "tpo_flat_pg" run the v1 and the flat contract with SGLang's prefill CUDA
 graphs on (the previews ``qwen3_moe_true_on_policy_pg_preview_v1`` and
-``qwen3_moe_true_on_policy_flat_pg_preview_v1``, not yet measured bitwise); only when named.
+``qwen3_moe_true_on_policy_flat_pg_preview_v1``; bitwise at 6 layers, evidence/parity-tpo-*pg-a3b6-t1.0.json);
+only when named.
 
 ``--generation-config JSON`` times the sampling a real Qwen3 checkpoint asks for: its
 ``generation_config.json`` (top_k 20, top_p 0.8-0.95) is applied by SGLang to every request
@@ -77,12 +80,12 @@ import subprocess
 import sys
 import time
 
-DEFAULT_VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_flat", "stock_eager_prefill")
-VARIANTS = (*DEFAULT_VARIANTS, "tpo_pg", "tpo_flat_pg")  # the prefill-graph previews run when named
+DEFAULT_VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_v1", "stock_eager_prefill")
+VARIANTS = (*DEFAULT_VARIANTS, "tpo_flat", "tpo_pg", "tpo_flat_pg")  # run when named
 FAIR_STOCK = ("stock", "stock_eager_prefill")  # the stock configurations a ratio may be taken against (see table)
 FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
-# the variants that name a contract (the others run the default one): the prefill-graph previews
-CONTRACTS = {"tpo_flat": FLAT, "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
+# the variants that name a contract (the others run the default one, DEFAULT_CONTRACT)
+CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1"}
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",

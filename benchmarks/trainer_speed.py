@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--contract", default=None, help="the contract to patch under (default: the main one)")
+    p.add_argument("--contract", default=None, help="the contract to patch under (default: true_on_policy.DEFAULT_CONTRACT)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     import torch

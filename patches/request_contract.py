@@ -72,7 +72,9 @@ def _check(result, tm, obj, *args, **kwargs) -> None:
         return  # embedding requests: no sampling
     found = problems(sp, obj)
     if found:
-        name = get_contract(env.CONTRACT.get() or "qwen3_moe_true_on_policy_v1").name
+        from true_on_policy import DEFAULT_CONTRACT
+
+        name = get_contract(env.CONTRACT.get() or DEFAULT_CONTRACT).name
         raise RequestContractError(f"true-on-policy contract {name} refuses this request ({len(found)} problem(s)); "
                                    "nothing was scheduled:\n  - " + "\n  - ".join(found))
 

@@ -32,6 +32,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_tree_width(monkeypatch):
+    """Every test starts as a fresh process does: no contract has set the row-parallel tree width
+    yet. ``kernels/tree_reduce`` lets a process set it once (a second width is refused), and CPU
+    tests patch models under contracts of width 8 (v1, the TP preview) and of width 1 (flat, the
+    default) in the one pytest process; within a test the once-per-process rule holds."""
+    from true_on_policy.kernels import tree_reduce
+
+    monkeypatch.setattr(tree_reduce, "_WIDTH", {"v": tree_reduce.VIRTUAL, "set": False})
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     """One cache folder for the embedded checkpoints of the whole session (built once)."""
@@ -44,9 +55,9 @@ def tiny_cache(tmp_path_factory):
 def clean_env(monkeypatch):
     """No overlay or NCCL settings leak in from the caller's shell."""
     from true_on_policy import env
-    from true_on_policy.contract import get_contract
+    from true_on_policy.contract import get_contract, known_contracts
 
-    names = [e.name for e in get_contract("qwen3_moe_true_on_policy_v1").env]
+    names = sorted({e.name for c in known_contracts() for e in get_contract(c).env})
     for n in names + [env.ENABLED.name, env.CONTRACT.name, env.MANIFEST_DIR.name, env.SGLANG_PLUGINS.name]:
         monkeypatch.delenv(n, raising=False)
     return monkeypatch

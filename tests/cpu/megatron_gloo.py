@@ -55,7 +55,7 @@ def run(path, ref, name):
         ps.destroy_model_parallel()
         print(f"megatron-ok {name} rank {dist.get_rank()}", flush=True)
         return
-    rec = tm.patch_megatron_model(model)
+    rec = tm.patch_megatron_model(model, ref["contract"])  # the contract the TP1 reference ran under
     assert rec["layout"]["pp"] == pp, rec
     if pp > 1:  # this stage's layers (megatron-core's split) and its end modules
         stage, n = ps.get_pipeline_model_parallel_rank(), cfg.num_hidden_layers

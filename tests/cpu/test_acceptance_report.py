@@ -113,7 +113,8 @@ def test_resume_reuses_a_phase_from_the_same_source_without_starting_an_engine(t
 
 def test_resume_runs_again_a_phase_of_another_contract(tmp_path, monkeypatch):
     provenance.write_evidence(tmp_path / "acceptance-eager.json",
-                              {"phase": "eager", "contract": DEFAULT_CONTRACT, "old": True}, provenance.provenance())
+                              {"phase": "eager", "contract": "qwen3_moe_true_on_policy_v1", "old": True},
+                              provenance.provenance())
     ran = []
 
     def fake_run(cmd, log, **kw):

@@ -3,7 +3,7 @@ process's, from each source form -- a manifest list, a manifest folder, a server
 manifest route and SGLang's key middleware, behind a local http.server), an object with
 ``manifests()``. Passes on a match; raises on a mismatch, naming every process, and when no
 scheduler manifest is there. A CPU-patched transformers model under the preview contract is
-refused by a rollout on the main contract."""
+refused by a rollout on v1."""
 
 import http.server
 import threading

@@ -9,7 +9,8 @@ import sys
 import pytest
 from helpers import ROOT
 
-FP = "730242cd981efb6a22c3da2fa2388bdc7c40038fe38eb9aba8ad535b40ab5e0f"
+# the default contract (qwen3_moe_true_on_policy_flat_v1) and its fingerprint, pinned: a change must be deliberate
+DEFAULT, FP = "qwen3_moe_true_on_policy_flat_v1", "4e8d94bf364291f0c1104b4fddb06fccc2258c46550de9547edccbdb736b4bca"
 
 
 def _launch(*args, env_extra=None):
@@ -23,7 +24,7 @@ def test_dry_run_accepts_a_valid_plan(tiny_cache):
     r = _launch("--true-on-policy", "--dry-run", "--tp-size", "1", "--random-seed", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout)
-    assert plan["fingerprint"] == FP and plan["contract"] == "qwen3_moe_true_on_policy_v1"
+    assert plan["fingerprint"] == FP and plan["contract"] == DEFAULT
     assert plan["embedded_model"] is True
     assert plan["resolved"]["attention_backend"] == "triton" and plan["resolved"]["tp_size"] == 1
     assert plan["env"]["NCCL_NVLS_ENABLE"] == "0"
@@ -67,7 +68,7 @@ def test_dry_run_refuses_pp_layouts_the_model_cannot_split(tiny_cache):
     assert "--disable-overlap-schedule" not in err  # SGLang resolves it on at pp > 1; not blamed on unresolved args
     r = _launch(*PREVIEW, "--pp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,1"})
     assert r.returncode == 2 and "sums to 3, the model has 2 decoder layers" in r.stderr
-    r = _launch("--true-on-policy", "--dry-run", "--pp-size", "2")  # the main contract: PP is the preview's
+    r = _launch("--true-on-policy", "--dry-run", "--pp-size", "2")  # the default contract: PP is the preview's
     assert r.returncode == 2 and "--pp-size: 2" in r.stderr
 
 

@@ -176,7 +176,9 @@ def test_engine_removes_its_folder(tiny_cache, clean_env, tmp_path, monkeypatch,
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # new_run_dir lands here
-    fp = get_contract("qwen3_moe_true_on_policy_v1").fingerprint
+    from true_on_policy import DEFAULT_CONTRACT
+
+    fp = get_contract(DEFAULT_CONTRACT).fingerprint
     fake = _FakeEngine(0 if case == "refused" else 1, fp, fail=case.startswith("failed"))
     monkeypatch.setattr(sglang, "Engine", fake)
     monkeypatch.setattr("true_on_policy.rollout.engine.cuda_available", lambda: True)  # the fake needs no GPU

@@ -66,7 +66,17 @@ def hf(path):
 def meg(one_rank, hf):
     m = tm.build_model(hf.config)
     tm.load_hf(m, hf.state_dict())
-    tm.patch_megatron_model(m)
+    tm.patch_megatron_model(m)  # the default contract (the flat one)
+    return m
+
+
+@pytest.fixture
+def meg_v1(one_rank, hf):
+    """At TP1 under qwen3_moe_true_on_policy_v1: the reference of the TP / EP layouts, which only a
+    contract whose tree those degrees split serves (the flat default refuses them: ``tp2flat``)."""
+    m = tm.build_model(hf.config)
+    tm.load_hf(m, hf.state_dict())
+    tm.patch_megatron_model(m, "qwen3_moe_true_on_policy_v1")
     return m
 
 
@@ -205,7 +215,8 @@ def _tp1_reference(meg, out):
         lp = tm.token_logprobs(meg, ids, mask, 0.7)
         lp_trunc = tm.token_logprobs(meg, ids, mask, 0.7, top_k=5, top_p=0.9)
     (-(tm.token_logprobs(meg, ids, mask, 0.7) * mask[:, 1:]).sum()).backward()
-    torch.save(dict(ids=ids, mask=mask, lp=lp, lp_trunc=lp_trunc, grads=tm.hf_state_dict(meg, grads=True)), out)
+    torch.save(dict(ids=ids, mask=mask, lp=lp, lp_trunc=lp_trunc, grads=tm.hf_state_dict(meg, grads=True),
+                    contract=meg._true_on_policy_state.record["contract"]), out)  # the ranks patch under it too
     return out
 
 
@@ -220,15 +231,15 @@ def _launch(path, ref, nproc, layouts):
         assert r.stdout.count(f"megatron-ok {name} ") == nproc, r.stdout
 
 
-def test_parallel_layouts_two_gloo_ranks(path, meg, tmp_path):
-    """TP2, TP2+SP, EP2, TP2+EP2+SP, PP2 on two processes (tests/cpu/megatron_gloo.py) against TP1;
-    TP2 under the flat contract refused with the contracts that fit named."""
-    _launch(path, _tp1_reference(meg, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2", "tp2flat"])
+def test_parallel_layouts_two_gloo_ranks(path, meg_v1, tmp_path):
+    """TP2, TP2+SP, EP2, TP2+EP2+SP, PP2 on two processes (tests/cpu/megatron_gloo.py) against TP1, all
+    under v1; TP2 under the flat contract (the default) refused with the contracts that fit named."""
+    _launch(path, _tp1_reference(meg_v1, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2", "tp2flat"])
 
 
-def test_pipeline_tp2_pp2_four_gloo_ranks(path, meg, tmp_path):
-    """TP2 x PP2, with and without SP, on four processes against TP1."""
-    _launch(path, _tp1_reference(meg, tmp_path / "tp1.pt"), 4, ["tp2pp2", "tp2pp2sp"])
+def test_pipeline_tp2_pp2_four_gloo_ranks(path, meg_v1, tmp_path):
+    """TP2 x PP2, with and without SP, on four processes against TP1 (under v1)."""
+    _launch(path, _tp1_reference(meg_v1, tmp_path / "tp1.pt"), 4, ["tp2pp2", "tp2pp2sp"])
 
 
 def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):

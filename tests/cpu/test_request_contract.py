@@ -52,7 +52,7 @@ def test_refusal_is_a_400_value_error_naming_the_contract(monkeypatch):
     tok = types.SimpleNamespace(sampling_params=_sp(repetition_penalty=1.05))
     with pytest.raises(ValueError) as e:
         rc._check(tok, None, _obj())
-    assert e.value.status_code == 400 and "qwen3_moe_true_on_policy_v1" in str(e.value)
+    assert e.value.status_code == 400 and "qwen3_moe_true_on_policy_flat_v1" in str(e.value)  # the default
     assert "generation_config.json" in str(e.value)  # says where an unsent value came from
     monkeypatch.setenv("SGLANG_TRUE_ON_POLICY", "0")
     rc._check(tok, None, _obj())  # inert when the overlay is off

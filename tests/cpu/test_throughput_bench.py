@@ -289,7 +289,7 @@ def _main_stand_ins(monkeypatch, tmp_path, cut_after=None):
 
 def test_resume_continues_a_cut_run_with_only_its_missing_variants_and_lists_every_start(monkeypatch, tmp_path):
     out = tmp_path / "t.json"
-    args = ["--one-engine", "--repeats", "1", "--passes", "2", "--variants", "stock", "tpo_flat", "tpo",
+    args = ["--one-engine", "--repeats", "1", "--passes", "2", "--variants", "stock", "tpo_v1", "tpo",
             "--out", str(out)]
     _, starts = _main_stand_ins(monkeypatch, tmp_path, cut_after=1)
     with pytest.raises(KeyboardInterrupt):
@@ -299,23 +299,24 @@ def test_resume_continues_a_cut_run_with_only_its_missing_variants_and_lists_eve
     _, starts = _main_stand_ins(monkeypatch, tmp_path)
     throughput.main([*args, "--resume"])
     done = json.loads(out.read_text())
-    assert starts == ["tpo_flat", "tpo"]  # stock is not started again
+    assert starts == ["tpo_v1", "tpo"]  # stock is not started again
     assert done["complete"] and [len(r["tokens_per_s"]) for r in done["rows"]] == [2, 2, 2]
     assert done["rows"][0]["tokens_per_s"] == first["rows"][0]["tokens_per_s"]
     assert done["resumed_from"] == [first["provenance"]]
     from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
 
-    main_c, flat_c = (get_contract(n) for n in (DEFAULT_CONTRACT, throughput.FLAT))
-    # what it resolved, the contract it ran under, and its start time
+    main_c, v1_c = (get_contract(n) for n in (DEFAULT_CONTRACT, "qwen3_moe_true_on_policy_v1"))
+    # what it resolved, the contract it ran under (tpo: the default, the flat one), and its start time
     assert done["engines"]["tpo"] == {"v": "tpo", "start_s": 12.3,
                                       "contract": {"name": main_c.name, "fingerprint": main_c.fingerprint}}
-    assert done["engines"]["tpo_flat"]["contract"] == {"name": flat_c.name, "fingerprint": flat_c.fingerprint}
-    assert done["engines"]["stock"]["contract"] is None and main_c.fingerprint != flat_c.fingerprint
+    assert main_c.name == throughput.FLAT
+    assert done["engines"]["tpo_v1"]["contract"] == {"name": v1_c.name, "fingerprint": v1_c.fingerprint}
+    assert done["engines"]["stock"]["contract"] is None and main_c.fingerprint != v1_c.fingerprint
     # a complete run, or one of other arguments, is run whole again, never merged
     _, starts = _main_stand_ins(monkeypatch, tmp_path)
     throughput.main([*args, "--resume"])
-    assert starts == ["stock", "tpo_flat", "tpo"] and "resumed_from" not in json.loads(out.read_text())
+    assert starts == ["stock", "tpo_v1", "tpo"] and "resumed_from" not in json.loads(out.read_text())
 
 
 def test_resume_refuses_another_workload_and_needs_one_engine_and_out(monkeypatch, tmp_path):

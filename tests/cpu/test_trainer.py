@@ -231,7 +231,7 @@ lp = token_logprobs(m, torch.randint(0, 512, (2, 24), generator=torch.Generator(
 assert lp.shape == (2, 23) and torch.isfinite(lp).all()
 m2 = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
 try:
-    patch_hf_model(m2)
+    patch_hf_model(m2, "qwen3_moe_true_on_policy_v1")
 except TrainerPatchError as e:
     assert "width 1" in str(e) and "width 8" in str(e), e
     assert not hasattr(m2.model.layers[0].self_attn, "_true_on_policy_ops")

@@ -16,48 +16,51 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -c "from importlib.metadata import entry_points as e; assert any(x.name == 'true_on_policy' for x in e(group='sglang.srt.plugins'))" 2>/dev/null \
   || bash tests/gpu/dev_install.sh || exit 1
 P="python3 -m true_on_policy.harness.parity --prompts 64 --new-tokens 64"
+# the files without "flat" or "pg" in their names hold the tree-width-8 contract, the default until 2026-12-01:
+# named here, so that they regenerate as they were made (the flat contract is the default now)
+V1="--contract qwen3_moe_true_on_policy_v1"
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider "$@"; }
 rc=0
 run() { "$@" || { rc=1; echo "FAILED: $*"; }; }
 case $GROUP in
   parity|all)
-    run $P --mode tpo --trainer patched --geometry embedded --temperature 1.0 --out "$E/parity-tpo-embedded-t1.0.json"
-    run $P --mode tpo --trainer patched --geometry embedded --temperature 0.7 --out "$E/parity-tpo-embedded-t0.7.json"
-    run $P --mode tpo --trainer patched --geometry wide --temperature 1.0 --out "$E/parity-tpo-wide-t1.0.json"
-    run $P --mode tpo --trainer patched --geometry wide --temperature 0.7 --out "$E/parity-tpo-wide-t0.7.json"
+    run $P --mode tpo --trainer patched $V1 --geometry embedded --temperature 1.0 --out "$E/parity-tpo-embedded-t1.0.json"
+    run $P --mode tpo --trainer patched $V1 --geometry embedded --temperature 0.7 --out "$E/parity-tpo-embedded-t0.7.json"
+    run $P --mode tpo --trainer patched $V1 --geometry wide --temperature 1.0 --out "$E/parity-tpo-wide-t1.0.json"
+    run $P --mode tpo --trainer patched $V1 --geometry wide --temperature 0.7 --out "$E/parity-tpo-wide-t0.7.json"
     run $P --mode stock --trainer hf --geometry embedded --temperature 1.0 --out "$E/parity-stock-embedded-t1.0.json"
     run $P --mode stock --trainer hf --geometry wide --temperature 0.7 --out "$E/parity-stock-wide-t0.7.json" ;;&
   realshape|all)  # the Qwen3-30B-A3B layer geometry, 6 layers (random bf16 weights, built on the GPU)
-    run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-a3b6-t1.0.json"
+    run $P --mode tpo --trainer patched $V1 --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-a3b6-t1.0.json"
     run $P --mode stock --trainer hf --geometry a3b6 --temperature 1.0 --out "$E/parity-stock-a3b6-t1.0.json" ;;&
   realshape48)  # the full depth: ≥ 8k-token prompts in a mixed batch, chunked prefill, radix-cache hits
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+    run $P --mode tpo --trainer patched $V1 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-a3b48-t1.0.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock deterministic tpo \
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock deterministic tpo_v1 \
       --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-a3b48.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --out "$E/profile-a3b48.json" ;;
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo_v1 --out "$E/profile-a3b48.json" ;;
   largeshapes|all)  # the 235B-A22B and Coder-480B-A35B layer geometries, 2 layers each (~12 and ~34 GB)
     for g in a22b2 a35b2; do  # mixed lengths plus a 4096-token prompt, chunked at 2048, then 8 radix-cache hits
-      run $P --mode tpo --trainer patched --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
+      run $P --mode tpo --trainer patched $V1 --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
         --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$g-t1.0.json"
     done ;;&
   longctx|all)  # YaRN x8 from 32768 to 262144 positions (tiny layers): a 262000-token prompt in the mixed batch,
     # chunked at 8192, then 8 radix-cache hits; split-KV decode past 256k keys
-    run $P --mode tpo --trainer patched --geometry yarn262k --temperature 1.0 --long-prompts 1 --long-len 262000 \
+    run $P --mode tpo --trainer patched $V1 --geometry yarn262k --temperature 1.0 --long-prompts 1 --long-len 262000 \
       --chunked-prefill-size 8192 --radix-followups 8 --out "$E/parity-tpo-yarn262k-t1.0.json" ;;&
-  rl|all) run python3 -m true_on_policy.harness.rl_loop --steps 100 --out "$E/rl-loop-embedded.json" ;;&
+  rl|all) run python3 -m true_on_policy.harness.rl_loop $V1 --steps 100 --out "$E/rl-loop-embedded.json" ;;&
   kernels|all) run tier gpu-tier-kernels tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py ;;&
   trainer|all) run tier gpu-tier-trainer tests/gpu/test_trainer_gpu.py ;;&
   rollout|all) run tier gpu-tier-rollout tests/gpu/test_engine_gpu.py tests/gpu/test_server_gpu.py \
                  tests/gpu/test_rollout_gpu.py tests/gpu/test_sampling_http_gpu.py tests/gpu/test_sampling_engine_gpu.py \
                  tests/gpu/test_guard_gpu.py ;;&
-  acceptance|all) run python3 -m true_on_policy.harness.acceptance --folder "$E/acceptance-embedded" --resume \
+  acceptance|all) run python3 -m true_on_policy.harness.acceptance $V1 --folder "$E/acceptance-embedded" --resume \
                     --out "$E/acceptance-embedded.json" ;;&
   bench|all)
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tokens 1 64 256 4096 --out "$E/bench-kernels.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b6 --out "$E/profile-a3b6.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b6 --variants stock tpo_v1 --out "$E/profile-a3b6.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b6 --out "$E/throughput-a3b6.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 --out "$E/trainer-speed-a3b6.json" ;;
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trainer_speed.py --geometry a3b6 $V1 --out "$E/trainer-speed-a3b6.json" ;;
   sweep)  # every GEMM of a layer and the prefill glue kernels: candidates' time and bits against the forms in use
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --out "$E/bench-layer-gemms.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms o_proj --tokens 1 64 256 4096 16384 \
@@ -70,9 +73,9 @@ case $GROUP in
     run $P --mode tpo --trainer patched $F --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-flat-a3b6-t1.0.json"
     run $P --mode tpo --trainer patched $F --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-flat-a3b48-t1.0.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo tpo_flat \
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo_v1 tpo_flat \
       --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-flat-a3b48.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo tpo_flat \
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo_v1 tpo_flat \
       --out "$E/profile-flat-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/kernels.py --tree-width 1 --tokens 1 64 256 4096 \
       --out "$E/bench-kernels-flat.json"
@@ -99,13 +102,13 @@ case $GROUP in
     # fits one 600 s device call on one H200 (a server or engine start is ~50-145 s, so at most four variants)
     # (--resume: a line cut short continues where it stopped when run again from the same source)
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
-    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat tpo --mem 0.5 --out "$E/throughput-cold-a3b6.json"
-    run $T --geometry a3b6 --variants stock tpo_flat stock_eager_prefill tpo --mem 0.5 --http \
+    run $T --geometry a3b6 --variants stock stock_eager_prefill tpo_flat tpo_v1 --mem 0.5 --out "$E/throughput-cold-a3b6.json"
+    run $T --geometry a3b6 --variants stock tpo_flat stock_eager_prefill tpo_v1 --mem 0.5 --http \
       --out "$E/throughput-http-cold-a3b6.json"
-    run $T --geometry a3b48 --variants stock tpo_flat stock_eager_prefill tpo --new-tokens 256 --mem 0.85 --http \
+    run $T --geometry a3b48 --variants stock tpo_flat stock_eager_prefill tpo_v1 --new-tokens 256 --mem 0.85 --http \
       --out "$E/throughput-http-cold-a3b48.json"
     # the sampling a real Qwen3 checkpoint asks for (its generation_config.json, applied to every request): truncated draws
-    run $T --geometry a3b48 --variants stock tpo_flat tpo --new-tokens 256 --mem 0.85 --http \
+    run $T --geometry a3b48 --variants stock tpo_flat tpo_v1 --new-tokens 256 --mem 0.85 --http \
       --generation-config '{"top_k": 20, "top_p": 0.95}' --out "$E/throughput-http-cold-a3b48-qwen3-sampling.json"
     # (traces, tens of MB each, stay outside evidence/; the GPU busy/idle summary of them is evidence)
     run $T --geometry a3b48 --variants stock tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \

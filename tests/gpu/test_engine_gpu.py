@@ -25,6 +25,7 @@ def _sample(eng, prompts, n_new):
 def test_engine_repeatable_with_manifests(tiny_cache, gpu_evidence):
     import torch
 
+    from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
     from true_on_policy.harness.parity import make_prompts
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
@@ -40,7 +41,7 @@ def test_engine_repeatable_with_manifests(tiny_cache, gpu_evidence):
     assert first[0] == second[0]
     assert torch.equal(a, b)
     sched = [m for m in manifests if m["role"] == "scheduler"]
-    assert len(sched) == 1 and sched[0]["fingerprint"] == get_contract("qwen3_moe_true_on_policy_v1").fingerprint
+    assert len(sched) == 1 and sched[0]["fingerprint"] == get_contract(DEFAULT_CONTRACT).fingerprint
     replaced = [line for p in sched[0]["patches"] for line in p["replacements"]]
     symbols = [s for p in sched[0]["patches"] for s in p["symbols"]]
     not_installed = [s for s in symbols if not s["installed"]]

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 def test_launch_server_embedded(tiny_cache, gpu_evidence, tmp_path):
     import requests
 
+    from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
 
     proc, url, log = start_server(tmp_path)
@@ -30,7 +31,7 @@ def test_launch_server_embedded(tiny_cache, gpu_evidence, tmp_path):
         lps = r.json()["meta_info"]["output_token_logprobs"]
         assert len(lps) == 8
         m = requests.get(url + "/true_on_policy/manifest", timeout=10).json()
-        assert m["fingerprint"] == get_contract("qwen3_moe_true_on_policy_v1").fingerprint
+        assert m["fingerprint"] == get_contract(DEFAULT_CONTRACT).fingerprint
         roles = sorted(x["role"] for x in m["manifests"])
         assert roles == ["launcher", "scheduler"], roles
         gpu_evidence.append({"test": "launch_server_embedded", "generated": len(lps), "roles": roles,

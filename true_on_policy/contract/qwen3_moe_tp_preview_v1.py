@@ -17,7 +17,7 @@ Measured under the previous attention numerics (64-key blocks, no segments; fing
 CUDA graphs on, was bitwise equal to the one-GPU patched trainer (embedded model, 16 prompts x 32
 tokens, T=1.0). Not re-run since the 128-key attention segments (this contract shares v1's
 numerics, so its fingerprint changed with them). Not measured yet: TP 4/8, EP > 1, PP > 1, the wide
-geometry. Once the layouts are measured, they move into a new version of the main contract. Select it with
+geometry. Once the layouts are measured, they move into a new version of v1. Select it with
 ``--true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1``.
 """
 

@@ -244,7 +244,7 @@ def run(geometry="embedded", small=False, folder=None, resume=False, contract=No
     log (default: $TRUE_ON_POLICY_EVIDENCE_DIR, else a temporary folder); ``resume`` reuses the
     phases already there that ran from the same source (a run cut short by a time limit continues
     where it stopped); each phase's provenance is kept under ``phases``. ``contract``: the overlay's
-    phases and the patched trainer run under it (default: the main contract)."""
+    phases and the patched trainer run under it (default: true_on_policy.DEFAULT_CONTRACT)."""
     from true_on_policy.contract import get_contract
     from true_on_policy.harness import tiny_model
     from true_on_policy.harness.parity import compare, trainer_logprobs
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--folder", help="keep phase results and logs here (default $TRUE_ON_POLICY_EVIDENCE_DIR)")
     p.add_argument("--resume", action="store_true", help="reuse phase results already in --folder")
-    p.add_argument("--contract", help="the overlay's phases and the trainer under this contract (default: the main one)")
+    p.add_argument("--contract", help="the overlay's phases and the trainer under this contract (default: true_on_policy.DEFAULT_CONTRACT)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     p.add_argument("--phase-out", help=argparse.SUPPRESS)

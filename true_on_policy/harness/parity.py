@@ -133,7 +133,7 @@ def trainer_logprobs(model_path: str, sequences, prompt_lens, temperature: float
                      batch_size: int = 8, max_tokens: int = 16384, contract: str | None = None):
     """Trainer recompute at each sampled token. ``hf``: stock transformers bf16, fp32
     log_softmax(logits / T), one sequence at a time. ``patched``: the same model through
-    ``true_on_policy.trainer`` under ``contract`` (default: the main contract), right-padded batches of ``batch_size``,
+    ``true_on_policy.trainer`` under ``contract`` (default: true_on_policy.DEFAULT_CONTRACT), right-padded batches of ``batch_size``,
     lm_head run only from the batch's shortest prompt on (``token_logprobs(..., logits_to_keep=)``)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (preview contract; uneven split: "
                    "SGLANG_PP_LAYER_PARTITION)")
     p.add_argument("--cuda-graph-max-bs", type=int, help="largest captured decode batch (SGLang's default if unset)")
-    p.add_argument("--contract", help="true-on-policy contract for --mode tpo (default: the main contract)")
+    p.add_argument("--contract", help="true-on-policy contract for --mode tpo (default: true_on_policy.DEFAULT_CONTRACT)")
     p.add_argument("--trainer", choices=("hf", "patched"), default="hf",
                    help="recompute with stock transformers (hf) or through true_on_policy.trainer (patched)")
     p.add_argument("--long-prompts", type=int, default=0, help="add this many prompts of --long-len tokens")

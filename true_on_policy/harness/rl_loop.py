@@ -13,7 +13,7 @@ even token ids) gives group-normalised advantages; loss = -mean(advantage x log-
 step; the new weights go to the engine (``update_weights_from_tensor`` with the checkpoint's
 names, or ``update_weights_from_disk`` from a ``save_pretrained`` folder). The handshake
 (``check_rollout``) runs first. Exit code 1 if any step is not bitwise. ``--contract``: the engine
-and the trainer under another contract (default: the main one); the evidence names it and its
+and the trainer under another contract (default: true_on_policy.DEFAULT_CONTRACT); the evidence names it and its
 fingerprint, and an unknown name is refused before any GPU work.
 """
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--push", choices=("tensor", "disk"), default="tensor")
-    p.add_argument("--contract", help="the engine and the trainer under this contract (default: the main one)")
+    p.add_argument("--contract", help="the engine and the trainer under this contract (default: true_on_policy.DEFAULT_CONTRACT)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from true_on_policy.contract import UnknownContractError

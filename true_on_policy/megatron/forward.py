@@ -116,12 +116,16 @@ def _wider(degree: int) -> str:
     return ", ".join(n for n in known_contracts() if get_contract(n).tree_width % degree == 0) or "none"
 
 
-def patch_megatron_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provider: str | None = None,
+def patch_megatron_model(model, contract: str | None = None, provider: str | None = None,
                          sequence_parallel: bool | None = None) -> dict:
     """Route ``model`` (a ``config.build_model`` GPTModel) through the contract's kernels.
     Idempotent; raises ``MegatronLayoutError`` listing every problem before touching the model.
-    Returns the record of what was replaced (contract, fingerprint, provider, layout)."""
-    c = get_contract(contract)
+    Returns the record of what was replaced (contract, fingerprint, provider, layout). ``contract``:
+    None is ``true_on_policy.DEFAULT_CONTRACT`` (the flat one: TP and expert-TP 1; at 2, 4 or 8 name
+    qwen3_moe_true_on_policy_v1, whose tree those degrees split; the refusal says so)."""
+    from true_on_policy import DEFAULT_CONTRACT
+
+    c = get_contract(contract or DEFAULT_CONTRACT)
     provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
     f = getattr(model, "true_on_policy_hf", None)
     problems = [] if f is not None else ["the model was not built by true_on_policy.megatron.build_model"]

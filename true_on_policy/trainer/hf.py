@@ -1,7 +1,7 @@
 """Trainer side: Hugging Face transformers' Qwen3-MoE on the contract's kernels.
 
     from true_on_policy.trainer import patch_hf_model, token_logprobs
-    patch_hf_model(model, contract="qwen3_moe_true_on_policy_v1")    # idempotent, reversible
+    patch_hf_model(model)    # the default contract (true_on_policy.DEFAULT_CONTRACT); idempotent, reversible
     lp = token_logprobs(model, input_ids, attention_mask=None, temperature=1.0)  # fp32 [B, S-1]
 
 ``patch_hf_model`` replaces, on this model instance only (other instances and the classes are
@@ -112,18 +112,21 @@ def _lm_head_forward(self, x):
         *x.shape[:-1], -1)
 
 
-def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provider: str | None = None) -> Manifest:
+def patch_hf_model(model, contract: str | None = None, provider: str | None = None) -> Manifest:
     """Route the model's forward through the contract's kernels. Idempotent: a second call with
     the same contract and provider returns the existing manifest. Raises ``TrainerPatchError``
-    listing every problem, before touching the model, if the model is not covered."""
-    c = get_contract(contract)  # unknown name -> error listing the known contracts
+    listing every problem, before touching the model, if the model is not covered. ``contract``:
+    a registered name; None is ``true_on_policy.DEFAULT_CONTRACT``, what the rollout runs by default."""
+    from true_on_policy import DEFAULT_CONTRACT
+
+    c = get_contract(contract or DEFAULT_CONTRACT)  # unknown name -> error listing the known contracts
     provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
     ops = providers.get(provider)
     problems = _check_model(model, c)
     if provider == "triton" and not next(model.parameters()).is_cuda:
         problems.append("provider 'triton' needs the model on a CUDA device (use provider='reference' on CPU)")
     if problems:
-        raise TrainerPatchError(f"patch_hf_model({type(model).__name__}, contract={contract!r}) refused:\n  - "
+        raise TrainerPatchError(f"patch_hf_model({type(model).__name__}, contract={c.name!r}) refused:\n  - "
                                 + "\n  - ".join(problems))
     state = getattr(model, _STATE, None)
     if state is not None:
@@ -134,7 +137,7 @@ def patch_hf_model(model, contract: str = "qwen3_moe_true_on_policy_v1", provide
     try:
         _tree.use_tree_width(c.tree_width)  # the row-parallel GEMMs' tree (one per process)
     except ValueError as e:
-        raise TrainerPatchError(f"patch_hf_model(contract={contract!r}) refused: {e}") from None
+        raise TrainerPatchError(f"patch_hf_model(contract={c.name!r}) refused: {e}") from None
     _register_attention(ops)
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
