@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 # What `--true-on-policy`, TrueOnPolicyEngine, patch_hf_model and patch_megatron_model run unless told
 # otherwise: the flat contract (tree width 1, one GPU, a trainer without tensor parallelism). Name
 # qwen3_moe_true_on_policy_v1 (tree width 8) to pair a rollout with a Megatron trainer at TP or
-# expert-TP 2, 4 or 8, and the TP preview for SGLang TP 2 (README, Contracts).
+# expert-TP 2, 4 or 8, and the TP preview for SGLang TP 2 (README, Layouts).
 DEFAULT_CONTRACT = "qwen3_moe_true_on_policy_flat_v1"
 
 

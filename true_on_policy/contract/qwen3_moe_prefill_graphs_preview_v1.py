@@ -1,7 +1,9 @@
 """``qwen3_moe_true_on_policy_pg_preview_v1`` and ``qwen3_moe_true_on_policy_flat_pg_preview_v1``:
 v1 and the flat contract with SGLang's prefill CUDA graphs on.
 
-Preview, not yet run on a GPU. v1 and flat force ``--cuda-graph-backend-prefill disabled``, so
+Preview: both bitwise at the 30B-A3B layer shape, 6 layers (c0e1d54,
+``evidence/parity-tpo-flat_pg-a3b6-t1.0.json``, ``evidence/parity-tpo-pg-a3b6-t1.0.json``); their
+throughput, 48 layers and the rollout acceptance not yet run. v1 and flat force ``--cuda-graph-backend-prefill disabled``, so
 every prefill runs eagerly; stock SGLang 0.5.17 captures prefills in *breakable* graphs by
 default, and over HTTP at 48 layers that configuration was 8,870 tok/s against 8,235 with them
 off (d8d3a95, ``evidence/throughput-http-cold-a3b48.json``): about the gap between the flat
@@ -12,8 +14,9 @@ count; attention (``eager_on_graph`` in radix_attention.py) and the log-prob tai
 (``PrefillCudaGraphRunner._uses_eager_prefill_tail``) run eagerly on the real tokens, everything
 else replays. Every op of the numerics table is row-independent, so the padded rows should change
 no bit of the real ones, as with decode graphs; that is the claim these contracts exist to
-measure (acceptance's graph == eager item, parity at both geometries). Until it is measured,
-use v1 or flat. Everything else is theirs: numerics, environment, layouts. Select one on both
+measure (acceptance's graph == eager item, parity at both geometries; the rule's text below still
+says "not yet measured": it is fingerprinted, and that is still true at 48 layers). Until then, use
+v1 or flat. Everything else is theirs: numerics, environment, layouts. Select one on both
 sides, e.g. ``--true-on-policy-contract qwen3_moe_true_on_policy_flat_pg_preview_v1`` and
 ``patch_hf_model(model, contract="qwen3_moe_true_on_policy_flat_pg_preview_v1")``.
 """
