@@ -2,8 +2,8 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | pgpreview | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but
-#        realshape48, flat, flatcover, throughput and pgpreview)
+#        flat | flatcover | throughput | default | pgpreview | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but
+#        realshape48, flat, flatcover, throughput, default and pgpreview)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -114,6 +114,17 @@ case $GROUP in
     run $T --geometry a3b48 --variants stock tpo_flat --new-tokens 256 --mem 0.85 --trace /tmp/tpo-traces-a3b48 \
       --out "$E/throughput-cold-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trace_gaps.py /tmp/tpo-traces-a3b48 --out "$E/trace-gaps-cold-a3b48.json" ;;
+  default)  # issue 14's acceptance for what --true-on-policy runs now (DEFAULT_CONTRACT, no contract flag): throughput
+    # over HTTP with the prompts computed, against stock and SGLang's deterministic mode in the same run, at 6 and 48
+    # layers, then parity at both (the 48-layer line takes two 600 s device calls: --resume)
+    T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
+    run $T --geometry a3b6 --variants stock deterministic tpo tpo_no_logprob tpo_v1 --mem 0.5 --http \
+      --out "$E/throughput-http-cold-a3b6-default.json"
+    run $T --geometry a3b48 --variants stock deterministic tpo tpo_v1 --new-tokens 256 --mem 0.85 --http \
+      --out "$E/throughput-http-cold-a3b48-default.json"
+    run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-default-a3b6-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-default-a3b48-t1.0.json" ;;
   pgpreview)  # SGLang's prefill CUDA graphs under the overlay (the previews of v1 and flat): 48-layer throughput over
     # HTTP against stock as shipped, then parity at 48 layers (chunked prefill, radix hits) and every rollout claim
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
