@@ -120,7 +120,7 @@ case $GROUP in
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
     run $T --geometry a3b6 --variants stock deterministic tpo tpo_no_logprob tpo_v1 --mem 0.5 --http \
       --out "$E/throughput-http-cold-a3b6-default.json"
-    run $T --geometry a3b48 --variants stock deterministic tpo tpo_v1 --new-tokens 256 --mem 0.85 --http \
+    run $T --geometry a3b48 --variants stock deterministic tpo --new-tokens 256 --mem 0.85 --http \
       --out "$E/throughput-http-cold-a3b48-default.json"
     run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-default-a3b6-t1.0.json"
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
