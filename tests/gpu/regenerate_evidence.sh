@@ -116,7 +116,7 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/trace_gaps.py /tmp/tpo-traces-a3b48 --out "$E/trace-gaps-cold-a3b48.json" ;;
   default)  # issue 14's acceptance for what --true-on-policy runs now (DEFAULT_CONTRACT, no contract flag): throughput
     # over HTTP with the prompts computed, against stock and SGLang's deterministic mode in the same run, at 6 and 48
-    # layers, then parity at both (the 48-layer line takes two 600 s device calls: --resume)
+    # layers, then parity at both (each throughput line ran in one 600 s device call: 546 s and 496 s)
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
     run $T --geometry a3b6 --variants stock deterministic tpo tpo_no_logprob tpo_v1 --mem 0.5 --http \
       --out "$E/throughput-http-cold-a3b6-default.json"
