@@ -37,7 +37,6 @@ import sys
 import tempfile
 
 VARIANTS = ("stock", "tpo", "tpo_flat", "tpo_v1")  # tpo_flat, tpo_v1: a contract by name; not run by default
-FLAT, V1 = "qwen3_moe_true_on_policy_flat_v1", "qwen3_moe_true_on_policy_v1"
 # kernel-name pattern -> op (first match wins); unmatched names are "other"
 OPS = [
     (r"_matmul_tma_kernel|nvjet|gemm|cutlass|sm90_xmma|cublas", "dense GEMM"),
@@ -155,9 +154,12 @@ def variant_contract(variant: str) -> str | None:
     """The contract a variant runs (None: stock)."""
     if variant == "stock":
         return None
+    # the sibling benchmark's variant -> contract map (run as a script, this folder is on sys.path)
+    from throughput import CONTRACTS
+
     from true_on_policy import DEFAULT_CONTRACT
 
-    return {"tpo_flat": FLAT, "tpo_v1": V1}.get(variant, DEFAULT_CONTRACT)
+    return CONTRACTS.get(variant, DEFAULT_CONTRACT)
 
 
 def phase(variant: str, model_path: str, batches: list[int], prefill: int, context: int, steps: int,
