@@ -32,25 +32,19 @@ ROW = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 # segment: the segments' 16-wide MMA steps run in the same order from k = 0 upward and every
 # finished segment is folded into the tree at its boundary, so it computes the same bits as ROW
 # (GPU tier: test_tree_flat_equals_segmented) without ROW's short per-segment loops.
-# Tiles: benchmarks/tree_sweep.py (evidence/bench-tree-sweep.json; every candidate computed the same
-# bits): 32-row tiles with 4 column tiles per program balance decode and prefill (0.164 / 0.167 /
-# 0.959 ms at 64 / 256 / 4096 tokens, against 0.250 / 0.254 / 1.023 for ROW's tiles). Fixed, whatever
-# the token count.
+# Tiles: the fastest of benchmarks/tree_sweep.py's candidates (which all compute the same bits) across
+# decode and prefill sizes: 32-row tiles with 4 column tiles per program. Fixed, whatever the token count.
 ROW_FLAT = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True)
 # GROUPED_UP: the MoE gate/up projection (a plain grouped GEMM, no tree). Its K loop is COLUMN's
 # (the same 16-wide MMA steps from k = 0 upward), so it computes COLUMN's bits (GPU tier:
-# test_grouped_up_tiles_equal_column). Sweep: 0.207 / 0.212 / 0.665 ms at 64 / 256 / 4096 tokens,
-# against COLUMN's 0.237 / 0.242 / 0.562.
+# test_grouped_up_tiles_equal_column); chosen by benchmarks/gemm_sweep.py.
 GROUPED_UP = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 # GROUPED_UP_TMA: the same GEMM with the weights fetched by TMA (``kernels/grouped_tma.py``, Hopper+),
-# COLUMN's bits (GPU tier: test_grouped_tma_equals_column). benchmarks/gemm_sweep.py
-# (evidence/bench-layer-gemms.json): 0.021 / 0.205 / 0.209 / 0.600 ms at 1 / 64 / 256 / 4096 tokens
-# against GROUPED_UP's 0.025 / 0.208 / 0.213 / 0.667.
+# COLUMN's bits (GPU tier: test_grouped_tma_equals_column); chosen by benchmarks/gemm_sweep.py.
 GROUPED_UP_TMA = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 # ROW_SEG: the grouped tree GEMM (the MoE down projection) with the segments as the pipelined loop
 # (``kernels/seg_tree.py``: a segment in BK chunks plus a tail, the tree folded by selects), ROW_FLAT's
-# bits (GPU tier: test_seg_tree_equals_flat). Sweep: 0.021 / 0.124 / 0.131 / 0.773 ms at 1 / 64 / 256
-# / 4096 tokens against ROW_FLAT's 0.039 / 0.165 / 0.169 / 0.931.
+# bits (GPU tier: test_seg_tree_equals_flat); chosen by benchmarks/gemm_sweep.py.
 ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
@@ -238,8 +232,7 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # on any element).
 # Tiles per role, chosen by the caller (by the token count only for "row", a table): the plain GEMMs, and lm_head
 # (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
-# router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep:
-# 0.005 / 0.005 / 0.005 / 0.007 ms at 1 / 64 / 256 / 4096 tokens against "plain"'s 0.011-0.012).
+# router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep).
 #
 # Tile tables (tree width 1, the flat contract's o_proj and MoE down projection): the tile
 # depends on the row count, from a table of tiles that all compute the same bits: each runs the
@@ -247,16 +240,13 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # tile only decides which programs compute which elements (GPU tier: every tile of every table
 # == the pointer kernel, bitwise, at 1 to 4096 rows; and the batch-invariance tests cross the
 # table's bounds). A table is ((largest row count, tiles), ..., (None, tiles)); the first bound
-# that holds is used. Tiles: benchmarks/gemm_sweep.py --copies 8 (weights from HBM), evidence
-# bench-tiles-59561ae.json. o_proj [T, 4096] @ [2048, 4096]: 64x64x128 0.0141 / 0.0127 / 0.0130 ms
-# at 1 / 64 / 256 rows against 128x128x64's 0.0229 / 0.0231 / 0.0238; 128x128x64 is the fastest at
-# 4096 (0.116 against 0.189).
+# that holds is used. Tiles: benchmarks/gemm_sweep.py --copies 8 (weights from HBM): for o_proj
+# [T, 4096] @ [2048, 4096], 64x64x128 is the fastest up to a decode batch and 128x128x64 above it.
 DECODE_ROWS = 256  # the largest decode batch of the bounds below (SGLang's graphs on one H200)
 ROW_TMA = ((DECODE_ROWS, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
            (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)))
 # The down projection as one plain grouped GEMM (``grouped_matmul(role="down", tree=False)``), by
-# the call's token count: 32x128x64 0.0159 / 0.1097 / 0.1134 ms at 1 / 64 / 256 tokens against
-# GROUPED_UP_TMA's 0.0152 / 0.1227 / 0.1262; 128x256x64 0.380 against 0.437 at 4096.
+# the call's token count (the same sweep): 32x128x64 up to a decode batch, 128x256x64 above it.
 DOWN_TMA = ((DECODE_ROWS, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
             (None, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)))
 
@@ -363,12 +353,10 @@ def _launch(x, w, out, a_idx, block_expert, rows, segments, cfg, split=False, pe
     return out
 
 
-# PER_PLANE: split_matmul's default subtree per program (o_proj). benchmarks/gemm_sweep.py
-# (evidence/bench-oproj-planes.json, ROW's tiles): 2 segments per plane take 0.0089 / 0.0095 / 0.0171 /
-# 0.2482 / 1.0761 ms at 1 / 64 / 256 / 4096 / 16384 tokens against one per plane's 0.0076 / 0.0089 /
-# 0.0224 / 0.3015 / 1.2199 (a quarter of the planes' memory traffic saved). The same fp32 additions
-# in the same order either way (GPU tier: test_split_planes_of_subtrees_equal_planes), fixed whatever
-# the token count.
+# PER_PLANE: split_matmul's default subtree per program (o_proj): 2 segments per plane write and read
+# back half the planes of one per plane, which wins from a few hundred tokens up (benchmarks/gemm_sweep.py,
+# ROW's tiles). The same fp32 additions in the same order either way (GPU tier:
+# test_split_planes_of_subtrees_equal_planes), fixed whatever the token count.
 PER_PLANE = 2
 
 

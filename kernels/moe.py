@@ -27,8 +27,7 @@ from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_
 from true_on_policy.kernels.tree_reduce import _segments_for, _world, finish_tree, rank_in, sum_exact, tree_width
 
 HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
-# (512, and 2048 below: from evidence/bench-layer-gemms.json; the combine is faster at 1-4096 tokens, the
-# align at 256 and 4096 and 0.6-0.7 us slower at 1 and 64; neither changes a bit)
+# (HBLOCK and NBLOCK are speed choices from benchmarks/gemm_sweep.py; neither changes a bit)
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
 

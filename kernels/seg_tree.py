@@ -16,16 +16,13 @@ like a binary counter, without branches: after segment s,
 and the root is p_S. Invariance: row i depends only on row i of x (or of the gathered rows) and
 on W; the tiles are constants (never chosen by the token count; ``M`` is not specialised).
 
-Tried and removed (``evidence/bench-seg-candidates-d2ea247.json``, the kernel tier at d2ea247):
-the fold one segment late (``FOLD="lag"``: the same bits, slower than the select fold at every
-down-projection size: 0.118 / 0.140 / 0.801 ms at 64 / 256 / 4096 tokens against 0.111 / 0.129 /
-0.737 at the best tiles); the segments in pairs (``FOLD="pair"``: not bitwise on the H200 at
-BLOCK_M >= 64, nor at ROW_SEG's tile on a 1536-wide K, though bitwise under the interpreter; the
-cause is not established -- the suspect is the compiler folding the pair's addition into an MMA
-accumulator, which would round differently);
-each segment's chunks as a pipelined loop (``INNER="loop"``: o_proj's 512-wide segments fit, but
-it beat the planes of ``split_matmul`` only at 4096 tokens, 0.224 against 0.244 ms, and lost at 64,
-0.015 against 0.009). Earlier: the last segment peeled, the fold by branches (b2da523).
+Tried and removed: the fold one segment late (``FOLD="lag"``: the same bits, slower than the
+select fold at every down-projection size); the segments in pairs (``FOLD="pair"``: not bitwise on
+the H200 at BLOCK_M >= 64, nor at ROW_SEG's tile on a 1536-wide K, though bitwise under the
+interpreter; the cause is not established -- the suspect is the compiler folding the pair's
+addition into an MMA accumulator, which would round differently); each segment's chunks as a
+pipelined loop (``INNER="loop"``: it beat the planes of ``split_matmul`` only at 4096 tokens);
+the last segment peeled; the fold by branches.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the decode batch sizes and, where the contract turns prefill graphs on (the pref
 preview contracts; v1 and flat force them off, so their prefill capture never runs), the
 prefill token counts. Replay pads a batch up to the next captured size; every kernel is
 row-independent, so the padded rows change no bit of the real ones (decode: checked on the GPU,
-eager == graph; prefill: parity at 6 layers under both prefill-graph previews, c0e1d54).
+eager == graph; prefill: parity at 6 layers under both prefill-graph previews).
 """
 
 from __future__ import annotations

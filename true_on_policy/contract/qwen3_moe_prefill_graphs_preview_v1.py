@@ -1,21 +1,19 @@
 """``qwen3_moe_true_on_policy_pg_preview_v1`` and ``qwen3_moe_true_on_policy_flat_pg_preview_v1``:
 v1 and the flat contract with SGLang's prefill CUDA graphs on.
 
-Preview: both bitwise at the 30B-A3B layer shape, 6 layers (c0e1d54,
-``evidence/parity-tpo-flat_pg-a3b6-t1.0.json``, ``evidence/parity-tpo-pg-a3b6-t1.0.json``); their
-throughput, 48 layers and the rollout acceptance not yet run. v1 and flat force ``--cuda-graph-backend-prefill disabled``, so
-every prefill runs eagerly; stock SGLang 0.5.17 captures prefills in *breakable* graphs by
-default, and over HTTP at 48 layers that configuration was 8,870 tok/s against 8,235 with them
-off (d8d3a95, ``evidence/throughput-http-cold-a3b48.json``): about the gap between the flat
-contract (8,270) and stock. Here ``--cuda-graph-backend-prefill`` is left to SGLang's CUDA default,
-breakable (or breakable given; ``--disable-prefill-cuda-graph`` or ``--disable-cuda-graph`` turn
-prefill graphs off, as v1 runs). Breakable graphs replay a prefill padded up to a captured token
+Preview: parity bitwise at the 30B-A3B layer shape, 6 layers, for both (docs/evidence.md); their
+throughput, 48 layers and the rollout acceptance not yet run. v1 and flat force
+``--cuda-graph-backend-prefill disabled``, so every prefill runs eagerly; stock SGLang 0.5.17 captures
+prefills in *breakable* graphs by default, and turning them off costs stock about the whole
+throughput gap between the flat contract and stock at 48 layers over HTTP. Here
+``--cuda-graph-backend-prefill`` is left to SGLang's CUDA default, breakable (or breakable given;
+``--disable-prefill-cuda-graph`` or ``--disable-cuda-graph`` turn prefill graphs off, as v1 runs). Breakable graphs replay a prefill padded up to a captured token
 count; attention (``eager_on_graph`` in radix_attention.py) and the log-prob tail
 (``PrefillCudaGraphRunner._uses_eager_prefill_tail``) run eagerly on the real tokens, everything
 else replays. Every op of the numerics table is row-independent, so the padded rows should change
 no bit of the real ones, as with decode graphs; that is the claim these contracts exist to
-measure (acceptance's graph == eager item, parity at both geometries; the rule's text below still
-says "not yet measured": it is fingerprinted, and that is still true at 48 layers). Until then, use
+measure (acceptance's graph == eager item, parity at both geometries; the rule's text below says
+"not yet measured": it is fingerprinted, and that is still true at 48 layers). Until then, use
 v1 or flat. Everything else is theirs: numerics, environment, layouts. Select one on both
 sides, e.g. ``--true-on-policy-contract qwen3_moe_true_on_policy_flat_pg_preview_v1`` and
 ``patch_hf_model(model, contract="qwen3_moe_true_on_policy_flat_pg_preview_v1")``.

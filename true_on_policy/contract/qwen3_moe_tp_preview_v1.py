@@ -8,17 +8,13 @@ and combined with TP/EP. PP needs ``disable_overlap_schedule``: SGLang's resolut
 pp > 1 and the policy refuses a resolved configuration without it. Pipeline stages change no
 numerics: each stage runs its layers with the same kernels, and the unsummed (h, residual) pair
 crosses the boundary as bf16 bytes (patches/pipeline.py asserts it); weight loading and updates
-are PP-safe (patches/weights.py). PP is built and CPU-tested, not yet run on GPUs. The routing exists: row-parallel layers finish the tree over SGLang's attention-TP
-group (patches/linear.py), the communicator's all-reduce passes the tree's result through
-and refuses anything else (patches/communicator.py), and the MoE block finishes its down-projection
-tree over the MoE-TP group and sums EP slot outputs exactly (patches/qwen3_moe.py).
-Measured under the previous attention numerics (64-key blocks, no segments; fingerprint
-0c5c7188..., evidence/previous-numerics/parity-tpo-tp2-embedded.json): a TP=2 rollout on 2x H200,
-CUDA graphs on, was bitwise equal to the one-GPU patched trainer (embedded model, 16 prompts x 32
-tokens, T=1.0). Not re-run since the 128-key attention segments (this contract shares v1's
-numerics, so its fingerprint changed with them). Not measured yet: TP 4/8, EP > 1, PP > 1, the wide
-geometry. Once the layouts are measured, they move into a new version of v1. Select it with
-``--true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1``.
+are PP-safe (patches/weights.py). The routing exists: row-parallel layers finish the tree over
+SGLang's attention-TP group (patches/linear.py), the communicator's all-reduce passes the tree's
+result through and refuses anything else (patches/communicator.py), and the MoE block finishes its
+down-projection tree over the MoE-TP group and sums EP slot outputs exactly (patches/qwen3_moe.py).
+Status: built and CPU-tested; no layout of it measured on GPUs at this fingerprint (TP 2/4/8,
+EP > 1, PP > 1; docs/evidence.md lists what ran). Once the layouts are measured, they move into a
+new version of v1. Select it with ``--true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1``.
 """
 
 import dataclasses

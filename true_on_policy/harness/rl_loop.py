@@ -1,10 +1,10 @@
 """A small GRPO-style RL loop on one GPU, the way a user runs one: ``TrueOnPolicyEngine`` rollouts,
 the patched transformers trainer, a weight push after every optimizer step; at every step the
-rollout's log-probs must equal the trainer's recompute bitwise (the Ray issue's 100-step loop,
-in-process; ``true_on_policy.ray`` is the actor form).
+rollout's log-probs must equal the trainer's recompute bitwise (in-process;
+``true_on_policy.rollout.ray`` is the actor form).
 
     python -m true_on_policy.harness.rl_loop [--geometry embedded] [--steps 100] [--prompts 8] [--group 4] \\
-        [--new-tokens 32] [--lr 1e-4] [--push tensor|disk] [--contract NAME] --out evidence/rl-loop-embedded.json
+        [--new-tokens 32] [--lr 1e-4] [--push tensor|disk] [--contract NAME] --out OUT.json
 
 Step s: every prompt is sampled ``--group`` times (T = 1.0, one seed per sample, log-probs on);
 the trainer recomputes the sampled tokens' log-probs with gradients (``token_logprobs``) and they

@@ -28,7 +28,7 @@ EMBEDDED = dict(
 WIDE = dict(EMBEDDED, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, head_dim=128, num_experts=16, num_experts_per_tok=4,
             moe_intermediate_size=96, seed=1)
-# Layouts of issue 13, each on the embedded geometry: YaRN with a small original context (prompts
+# Awkward layouts, each on the embedded geometry: YaRN with a small original context (prompts
 # run past it), a head group that does not divide the 64-row attention tile, an odd vocabulary.
 YARN = dict(EMBEDDED, max_position_embeddings=1024, seed=2,
             rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64})
@@ -39,7 +39,7 @@ YARN262K = dict(EMBEDDED, max_position_embeddings=262144, seed=5,
 GROUP3 = dict(EMBEDDED, num_attention_heads=6, num_key_value_heads=2, seed=3)
 VOCAB3001 = dict(EMBEDDED, vocab_size=3001, seed=4)
 # The real Qwen3-30B-A3B layer geometry (hidden 2048, 32/4 heads of 128, 128 experts top-8,
-# moe_intermediate 768, vocab 151936) at 6 layers (the throughput issue's model) and at its full
+# moe_intermediate 768, vocab 151936) at 6 layers (the throughput benchmark's model) and at its full
 # 48 layers. Random bf16 weights, built on the GPU when there is one (a CPU init takes minutes).
 A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
            num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -48,7 +48,7 @@ A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_inte
 A3B48 = dict(A3B, num_hidden_layers=48, seed=11)
 # The same layer geometry at an odd layer count (5): pipeline stages split it unevenly (2 + 3).
 A3B5 = dict(A3B, num_hidden_layers=5, seed=12)
-# The layer geometries of the larger checkpoints, 2 layers each (issue 13): Qwen3-235B-A22B (hidden
+# The layer geometries of the larger checkpoints, 2 layers each: Qwen3-235B-A22B (hidden
 # 4096, 64/4 heads, 128 experts, moe_intermediate 1536; ~12 GB) and Qwen3-Coder-480B-A35B (hidden
 # 6144, 96/8 heads: a group of 12, 160 experts, moe_intermediate 2560, 262144 positions; ~34 GB).
 A22B2 = dict(A3B, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=2,

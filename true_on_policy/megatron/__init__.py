@@ -1,4 +1,4 @@
-"""Megatron-core trainer side (issue 17): Qwen3-MoE on megatron-core's local layer spec, its
+"""Megatron-core trainer side: Qwen3-MoE on megatron-core's local layer spec, its
 forward on the contract's kernels, at TP / expert-TP / EP / sequence parallel / pipeline parallel.
 
     from megatron.core import parallel_state

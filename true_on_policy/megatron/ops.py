@@ -5,7 +5,7 @@ accumulated in float64 and rounded at the contract's points -- the same calls, i
 order, as the Hugging Face trainer's CPU provider, so a Megatron TP1 forward is bitwise the
 patched HF model's (tests/cpu/test_megatron.py). ``triton`` (CUDA): the ``kernels/`` launchers
 (bitwise the rollout's), each wrapped so that the backward differentiates the reference,
-recomputed (``trainer.providers.ReferenceBackward``; the issue allows a reference backward).
+recomputed (``trainer.providers.ReferenceBackward``: parity is about the forward).
 
 Sharded forms: a row-parallel GEMM returns this rank's fp32 subtree root over its V/t segments
 (``row_root``; ``comm.tree`` finishes it); the MoE block routes this rank's tokens, runs its

@@ -2,7 +2,7 @@
 
 ``triton`` (CUDA): the ``kernels/`` launchers the rollout side uses, wrapped in autograd
 functions whose backward differentiates the plain-torch reference (parity is about the
-forward; a reference backward is what the issue allows). ``reference`` (any device, the CPU
+forward; the gradient is the reference's, not the kernels'). ``reference`` (any device, the CPU
 tier): the kernels' own references with every reduction accumulated in float64 (``acc``) and
 rounded at the contract's points, so row results do not depend on CPU BLAS blocking
 (batch/padding invariant).
