@@ -1,5 +1,5 @@
 """True on-policy RL rollouts for Qwen3-MoE on SGLang 0.5.17: rollout log-probs bitwise equal
-to the trainer's. See README.md; the contract lives in ``true_on_policy.contract.qwen3_moe_v1``."""
+to the trainer's. See README.md; the contracts and their registry live in ``true_on_policy.contract``."""
 
 import os as _os
 
@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 # What `--true-on-policy`, TrueOnPolicyEngine, patch_hf_model and patch_megatron_model run unless told
 # otherwise: the flat contract (tree width 1, one GPU, a trainer without tensor parallelism). Name
 # qwen3_moe_true_on_policy_v1 (tree width 8) to pair a rollout with a Megatron trainer at TP or
-# expert-TP 2, 4 or 8, and the TP preview for SGLang TP 2 (README, Layouts).
+# expert-TP 2, 4 or 8, and the TP preview for SGLang TP 2, 4 or 8.
 DEFAULT_CONTRACT = "qwen3_moe_true_on_policy_flat_v1"
 
 

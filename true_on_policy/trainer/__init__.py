@@ -5,7 +5,8 @@
 - ``providers``: the op set a trainer computes with (Triton kernels, or the float64 reference);
 - ``handshake``: the trainer's contract fingerprint against every rollout process's manifest.
 
-Another trainer (Megatron-LM) would sit next to ``hf`` and share ``providers`` and ``handshake``.
+The Megatron-core trainer is ``true_on_policy.megatron``; it shares ``providers`` (the reference
+backward) and ``handshake`` with ``hf``.
 """
 
 from true_on_policy.trainer.hf import (
