@@ -1,7 +1,11 @@
-"""Reversible, idempotent, loud attribute replacement — the one mechanism every patch uses.
+"""Reversible, idempotent, loud attribute replacement of SGLang symbols — the mechanism every
+SGLang patch (``patches/``, ``plugin``) uses. The trainers patch differently: ``patch_hf_model``
+and ``patch_megatron_model`` set the forward of one model instance's modules (classes and other
+instances stay untouched; HF's attention is added to transformers' ``AttentionInterface`` under its
+own name), keep the originals on the model and restore them in ``unpatch_*``.
 
 SGLang's HookRegistry logs and swallows a failed target and has no undo; a silently skipped
-patch is silently off-policy training, so patches go through ``wrap``: it raises
+patch is silently off-policy training, so SGLang patches go through ``wrap``: it raises
 ``PatchError`` naming the missing symbol, keeps ``__wrapped__`` and a marker on the replacement,
 rewrites every module global that held the original (``from X import f`` bindings, the same
 propagation HookRegistry does), and ``undo`` restores all of it.
