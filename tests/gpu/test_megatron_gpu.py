@@ -25,7 +25,7 @@ PREVIEW = "qwen3_moe_true_on_policy_tp_preview_v1"
 
 
 def _rollout(eng, seed=0):
-    from true_on_policy.parity import make_prompts, sampled
+    from true_on_policy.harness.parity import make_prompts, sampled
 
     prompts = make_prompts(N_PROMPTS, 256, seed=11)
     params = [{"temperature": T, "max_new_tokens": NEW_TOKENS, "ignore_eos": True, "sampling_seed": 700 + seed + i}

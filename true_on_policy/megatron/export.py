@@ -1,5 +1,5 @@
 """Megatron -> SGLang weights: full tensors under the checkpoint's names, for
-``update_weights_from_tensor`` (``true_on_policy.ray`` / ``TrueOnPolicyEngine``).
+``update_weights_from_tensor`` (``true_on_policy.rollout.ray`` / ``TrueOnPolicyEngine``).
 
 SGLang's ``Qwen3MoeForCausalLM.load_weights`` takes the Hugging Face checkpoint's names with
 experts one by one (``model.layers.L.mlp.experts.e.gate_proj.weight`` ...; the names

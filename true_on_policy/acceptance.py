@@ -1,7 +1,0 @@
-"""Old path of ``python -m true_on_policy.harness.acceptance``, kept only because the commands recorded
-in evidence/ run it; a re-export of ``main``. Code imports ``true_on_policy.harness.acceptance``."""
-
-from true_on_policy.harness.acceptance import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())
