@@ -6,10 +6,15 @@ Math, per row r with temperature T, seed s (int64), position p (the row's positi
   ``kernels/logprobs`` (the same (max, sum) statistics ``token_logprobs`` uses), so
   logp_v is bitwise ``token_logprobs(logits, v, T)``.
 - Truncation (``top_k`` / ``top_p`` / ``min_p``, SGLang's joint rule, all judged on the full
-  distribution; ``truncate``): order the vocabulary by logp descending, ties to the lower id; keep
-  rank < top_k, exclusive cumulative probability <= top_p, p_v >= min_p * p_max (the kept set is a
-  prefix of that order); logq_v = fp32(fp64(logp_v) - log(S)) with S the fp64 cumulative
-  probability of the kept prefix, -inf elsewhere. Without truncation logq = logp.
+  distribution; ``truncate``): order the vocabulary by logp descending, ties to the lower id; with
+  p_v = exp(fp64 logp_v) and its fixed-point mass m_v = floor(p_v * 2^62) (int64), keep
+  rank < top_k, exclusive integer cumsum of m <= floor(fp32(top_p) * 2^62), and
+  p_v >= fp32(min_p) * p_max (the kept set is a prefix of that order);
+  logq_v = fp32(fp64(logp_v) - log(S)) with S = fp64(sum of m over the kept prefix) * 2^-62,
+  -inf elsewhere. Without truncation logq = logp. top_p and min_p are rounded to fp32 first
+  because SGLang holds them as fp32 tensors: a trainer given the request's Python float must cut
+  at the same threshold. The masses are integers so that every sum is exact: no summation order
+  (torch picks a different cumsum algorithm for one row than for several) can move a bit.
 - Noise: u_v = (murmur3_32(s, p, v) + 0.5) / 2^32 in fp64 (strictly inside (0, 1); SGLang's
   ``h / (2^32 - 1)`` reaches 1 and gives an infinite Gumbel), g_v = -log(-log(u_v)) in fp64.
 - token = argmax_v fp64(logq_v) + g_v (Gumbel-max: P(token = v) = exp(logq_v) / sum_w exp(logq_w),
@@ -23,8 +28,8 @@ reads the vocabulary (any size V) in the 8 fixed shards of ceil(V/8) columns of 
 each shard's winner is its exact fp64 maximum and lowest id attaining it (an fp32 estimate of the
 noise only skips chunks that cannot hold it: ``GUMBEL_ERR``); shard winners are combined in shard
 order; nothing depends on the row count or the chunking. The truncation is torch (``torch.sort`` stable,
-``torch.cumsum`` in fp64, one row at a time in the same way whatever the batch); it has no
-separate Triton form.
+whose result is unique; ``torch.cumsum`` over int64 masses, exact whatever algorithm torch picks);
+it has no separate Triton form.
 """
 
 from __future__ import annotations
@@ -232,12 +237,14 @@ def _per_row(value, rows, device, dtype, default):
 
 
 def truncation_params(rows, vocab, device, top_k=None, top_p=None, min_p=None):
-    """Per-row (top_k int64, top_p fp64, min_p fp64, need bool). top_k <= 0 or >= vocab: all;
-    top_k == 1 is greedy and never truncates the reported log-prob."""
+    """Per-row (top_k int64, top_p fp64, min_p fp64, need bool); top_p and min_p are the fp64
+    widening of their fp32 rounding. top_k <= 0 or >= vocab: all; top_k == 1 is greedy and never
+    truncates the reported log-prob."""
     k = _per_row(top_k, rows, device, torch.int64, vocab)
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
-    p = _per_row(top_p, rows, device, torch.float64, 1.0)
-    mp = _per_row(min_p, rows, device, torch.float64, 0.0)
+    # fp32 first: SGLang's batch holds top_p / min_p as fp32, a trainer passes Python floats
+    p = _per_row(top_p, rows, device, torch.float32, 1.0).double()
+    mp = _per_row(min_p, rows, device, torch.float32, 0.0).double()
     need = ((k < vocab) | (p < 1.0) | (mp > 0.0)) & (k != 1)
     return k, p, mp, need
 
@@ -252,17 +259,22 @@ def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int 
     return torch.cat(out) if len(out) != 1 else out[0]
 
 
+MASS_BITS = 62  # fixed-point probability masses: p * 2^62 < 2^63, and V such sums of p <= 1 stay below 2^63
+
+
 def _truncate_rows(logp, k, p, mp, need):
     vocab = logp.shape[1]
     srt, idx = torch.sort(logp, dim=-1, descending=True, stable=True)
     prob = srt.double().exp()
-    cum = torch.cumsum(prob, dim=-1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # exclusive, monotone
-    len_p = torch.where(p < 1.0, (before <= p[:, None]).sum(dim=-1), vocab)
+    mass = (prob * 2.0 ** MASS_BITS).to(torch.int64)  # floor (p >= 0); exact sums in any order
+    cum = torch.cumsum(mass, dim=-1)
+    before = cum - mass  # exclusive, monotone
+    cut = (p * 2.0 ** MASS_BITS).to(torch.int64)  # fp32 top_p * 2^62: an exact integer
+    len_p = torch.where(p < 1.0, (before <= cut[:, None]).sum(dim=-1), vocab)
     len_m = (prob >= mp[:, None] * prob[:, :1]).sum(dim=-1)
     kept = torch.minimum(torch.minimum(k, len_p), len_m).clamp_(min=1)  # each criterion keeps a prefix
     keep = torch.arange(vocab, device=logp.device)[None, :] < kept[:, None]
-    total = cum.gather(1, (kept - 1)[:, None])
+    total = cum.gather(1, (kept - 1)[:, None]).double() * 2.0 ** -MASS_BITS
     q_sorted = torch.where(keep, (srt.double() - torch.log(total)).float(), float("-inf"))
     logq = torch.empty_like(logp).scatter_(1, idx, q_sorted)
     return torch.where(need[:, None], logq, logp)

@@ -10,10 +10,10 @@ from true_on_policy.contract import ArgRule, Contract, UnknownContractError, get
 
 NAME = "qwen3_moe_true_on_policy_v1"
 # v1 is frozen: a change to its content must be deliberate (new golden + CHANGELOG ### Contract).
-GOLDEN_FINGERPRINT = "730242cd981efb6a22c3da2fa2388bdc7c40038fe38eb9aba8ad535b40ab5e0f"
+GOLDEN_FINGERPRINT = "78aa0767a9892e3cd8f89c0dd6b9899d97c3a94340c143e8547dc9c26d66f734"
 PREVIEW = "qwen3_moe_true_on_policy_tp_preview_v1"
 # The preview changes with its layouts (PP 1-8 since issue 15): pinned too, each change in CHANGELOG ### Contract.
-PREVIEW_FINGERPRINT = "9f8230cd42b6f09520357d046d6838b936bccd88f305a6ed798bd7cd646e4843"
+PREVIEW_FINGERPRINT = "d8d6920d8d08f918d0ecb83989612c6f99025e19281447b03f4f1207f4f1542a"
 
 
 def test_round_trip_is_identity():
@@ -108,7 +108,7 @@ def test_tp_preview_contract_widens_only_tp_ep_and_pp():
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
 # pinned: the flat contract's evidence names this fingerprint (the tile tables' text; 43bf919's
 # evidence was 88c9bcdf..., the same bits with fixed tiles)
-FLAT_FINGERPRINT = "4e8d94bf364291f0c1104b4fddb06fccc2258c46550de9547edccbdb736b4bca"
+FLAT_FINGERPRINT = "bf0f9c647a8e0e370ae4089ed2a494a8fc564ef17a2d799bb8410c17337b810a"
 
 
 def test_flat_contract_is_v1_at_tree_width_1():

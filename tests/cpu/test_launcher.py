@@ -10,7 +10,7 @@ import pytest
 from helpers import ROOT
 
 # the default contract (qwen3_moe_true_on_policy_flat_v1) and its fingerprint, pinned: a change must be deliberate
-DEFAULT, FP = "qwen3_moe_true_on_policy_flat_v1", "4e8d94bf364291f0c1104b4fddb06fccc2258c46550de9547edccbdb736b4bca"
+DEFAULT, FP = "qwen3_moe_true_on_policy_flat_v1", "bf0f9c647a8e0e370ae4089ed2a494a8fc564ef17a2d799bb8410c17337b810a"
 
 
 def _launch(*args, env_extra=None):

@@ -68,8 +68,9 @@ NUMERICS = (
                "Gumbel-max over the token_logprob values: u = (murmur3_32(seed, position, id) + 0.5) / 2^32, "
                "g = -log(-log(u)) in fp64, token = argmax fp64(logq) + g, ties to the lowest id, 8 vocab shards "
                "of 4096-wide chunks combined in order; greedy (top_k = 1) = argmax of the fp32 logits; "
-               "truncation: stable descending order, keep rank < top_k, exclusive fp64 cumsum <= top_p, "
-               "p >= min_p * p_max (a prefix), logq = fp32(fp64(logp) - log(fp64 kept mass))",
+               "truncation: stable descending order, masses m = floor(exp(fp64 logp) * 2^62) in int64 (exact "
+               "sums), keep rank < top_k, exclusive integer cumsum of m <= floor(fp32(top_p) * 2^62), "
+               "p >= fp32(min_p) * p_max (a prefix), logq = fp32(fp64(logp) - log(fp64(kept mass) * 2^-62))",
                ("the reported log-prob is the logq value the draw used",
                 "input log-probs: token_logprob at T = 1 (untruncated)")),
     OpNumerics("token_logprob", ("sampler", "trainer loss"), _K + "logprobs", "fp32 logits", "fp32",
