@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.tree_reduce import _world, gather_stacked, rank_in, sum_exact
+from true_on_policy.kernels.tree_reduce import gather_stacked, rank_in, sum_exact, world_size
 
 VBLOCK = 4096  # fixed chunk of the vocabulary (no autotune; independent of the row count)
 SHARDS = 8  # virtual vocabulary shards (the contract's V; TP degrees dividing it are supported)
@@ -192,7 +192,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, 
     ``vocab``: the real vocabulary size when the slices carry padding (default: width * t, none).
     One process: width >= vocab, columns >= vocab ignored. Degree t: width = (8/t) * ceil(vocab/8).
     ``validate=False`` skips the token-range check (it syncs the device; CUDA graphs need that)."""
-    world = _world(group)
+    world = world_size(group)
     if world not in (1, 2, 4, 8):
         raise KernelLimitError(f"token_logprobs: vocab-parallel degree must divide {SHARDS}, got {world}")
     width = logits.shape[1]

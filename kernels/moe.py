@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
-from true_on_policy.kernels.tree_reduce import _segments_for, _world, finish_tree, rank_in, sum_exact, tree_width
+from true_on_policy.kernels.tree_reduce import finish_tree, rank_in, resolve_width, segments_for, sum_exact, world_size
 
 HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
 # (HBLOCK and NBLOCK are speed choices from benchmarks/gemm_sweep.py; neither changes a bit)
@@ -86,8 +86,10 @@ def align_reference(ids: torch.Tensor, first_expert: int, num_local: int):
     return rows[:-1], be.to(torch.int32), pos
 
 
-def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True, acc=torch.float32):
-    """Whole block, one process, expert by expert in plain torch (GEMMs accumulated in ``acc``)."""
+def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True, acc=torch.float32, width: int | None = None):
+    """Whole block, one process, expert by expert in plain torch (GEMMs accumulated in ``acc``;
+    ``width``: the down projection's V, None: ``tree_reduce.tree_width()``)."""
+    segments = resolve_width(width)
     logits = matmul_reference(x, router_w, acc=acc)
     w, ids = route_reference(logits, top_k, norm_topk)
     e = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
@@ -95,7 +97,7 @@ def moe_reference(x, router_w, w13, w2, top_k, norm_topk=True, acc=torch.float32
         t, j = torch.where(ids == ex)
         if t.numel():
             h = silu_mul_reference(matmul_reference(x[t], w13[ex], acc=acc))
-            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=tree_width(), acc=acc)
+            e[t, j] = matmul_reference(h, w2[ex], torch.float32, segments=segments, acc=acc)
     return combine_reference(e, w, x.dtype)
 
 
@@ -293,38 +295,40 @@ def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, world: int):
     return torch.cat([w13[:, a:b], w13[:, inter + a:inter + b]], 1).contiguous(), w2[:, :, a:b].contiguous()
 
 
-def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int) -> torch.Tensor:
+def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int, width: int | None = None) -> torch.Tensor:
     """fp32 [T*k, H] slot-major outputs of this rank's experts (their subtree roots when the
-    intermediate dim is sharded); zero in the slots of experts owned elsewhere."""
+    intermediate dim is sharded); zero in the slots of experts owned elsewhere. ``width``: the
+    tree's V (None: ``tree_reduce.tree_width()``)."""
     rows, block_expert, pos, own = align(ids, first_expert, w13.shape[0])
-    e_sorted = _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments)
+    e_sorted = _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width)
     return torch.where((pos >= 0)[:, None], e_sorted[pos.clamp(min=0)], 0.0)
 
 
-def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments):
+def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
     h = silu_mul(grouped_matmul(x, w13, rows, block_expert), pos)
     # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop; at tree
     # width 1 (the flat contract) with the tiles of matmul.DOWN_TMA for this token count
-    flat = tree_width() == 1
+    flat = resolve_width(width) == 1
     return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1,
                           role="down" if flat else "plain", tokens=x.shape[0] if flat else None)
 
 
-def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None):
+def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None, width: int | None = None):
     """The block. x [T, H] (all tokens, on every rank); router_w [E, H] (all experts);
     w13 [E_local, 2*I/tp, H], w2 [E_local, H, I/tp] (this rank's experts and intermediate slice).
-    EP rank r owns experts [r*E_local, (r+1)*E_local). Same bits for every TP and EP degree."""
+    EP rank r owns experts [r*E_local, (r+1)*E_local). Same bits for every TP and EP degree.
+    ``width``: the down projection's V (None: ``tree_reduce.tree_width()``)."""
     e_total, e_local = router_w.shape[0], w13.shape[0]
-    ep = _world(ep_group)
+    ep = world_size(ep_group)
     if e_local * ep != e_total:
         raise KernelLimitError(f"moe: {e_local} local experts x EP {ep} != {e_total} router experts")
-    segments = _segments_for(_world(tp_group), w2.shape[2])
+    segments = segments_for(world_size(tp_group), w2.shape[2], width)
     w, ids = route(matmul(x, router_w, role="router"), top_k, norm_topk)
-    if _world(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
+    if world_size(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos
         rows, block_expert, pos, own = align(ids, 0, e_local)
-        return combine(_expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments), pos.view(-1, top_k), w,
+        return combine(_expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width), pos.view(-1, top_k), w,
                        x.dtype)
     first = rank_in(ep_group) * e_local
-    e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments), tp_group)
+    e = finish_tree(expert_outputs(x, ids, w13, w2, first, segments, width), tp_group)
     e = sum_exact(e, ep_group)  # each slot is non-zero on exactly one EP rank
     return combine(e, torch.arange(e.shape[0], device=x.device).view(-1, top_k), w, x.dtype)

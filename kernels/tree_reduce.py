@@ -14,10 +14,14 @@ by the collective). Forms:
     gets row chunk r of the same result (an all-to-all of the roots, then the same tree).
 ``finish_tree`` is the shared last step (used by the MoE down projection as well).
 
-V is the contract's ``tree_width`` (8 unless the contract says otherwise), set once per process
-by whoever applies the contract (``use_tree_width``: the SGLang patches, ``patch_hf_model``,
-``patch_megatron_model``). At V = 1 there is no tree: ``row_linear`` is ``matmul`` (one fp32 K loop,
-the column GEMM's tiles and bits) and TP of these layers is refused.
+V is the contract's ``tree_width`` (8 unless the contract says otherwise). Every function whose
+math depends on V takes it as ``width=``; the trainers pass their contract's (``patch_hf_model``,
+``patch_megatron_model`` bind it into their op sets). A call without ``width=`` runs at
+``tree_width()``: this process's V, set once by the SGLang patches before any layer is built
+(``use_tree_width``, the one setter; 8 until then), unless a ``with set_tree_width(v):`` block
+overrides it (restored on exit, like batch_invariant_ops' ``set_batch_invariant_mode``).
+At V = 1 there is no tree: ``row_linear`` is ``matmul`` (one fp32 K loop, the column GEMM's tiles
+and bits) and TP of these layers is refused.
 A ``group`` is a ``torch.distributed`` process group or an SGLang ``GroupCoordinator`` (whose
 collectives switch to its graph-capturable pynccl communicator inside CUDA-graph capture);
 either way only exact operations cross ranks: fp32 roots are gathered, never summed by NCCL.
@@ -25,36 +29,68 @@ either way only exact operations cross ranks: fp32 roots are gathered, never sum
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import INTERPRETED, MAX_SEGMENTS, matmul, matmul_reference, split_matmul, tree_sum
 
 VIRTUAL = MAX_SEGMENTS  # the default V: supported TP degrees are the divisors of 8
-_WIDTH = {"v": VIRTUAL, "set": False}
+WIDTHS = (1, 2, 4, 8)
+_PROCESS = {"v": VIRTUAL, "set": False}  # this process's V (``use_tree_width``)
+_OVERRIDES: list[int] = []  # the open ``set_tree_width`` blocks, innermost last
+
+
+def _checked(v) -> int:
+    if isinstance(v, bool) or v not in WIDTHS:
+        raise KernelLimitError(f"tree width must be 1, 2, 4 or 8, got {v!r}")
+    return v
 
 
 def tree_width() -> int:
-    """This process's V (``use_tree_width``; 8 until a contract sets it)."""
-    return _WIDTH["v"]
+    """The V of a call without ``width=``: the innermost ``set_tree_width`` block's, else this
+    process's (``use_tree_width``; 8 until a contract sets it)."""
+    return _OVERRIDES[-1] if _OVERRIDES else _PROCESS["v"]
+
+
+def resolve_width(width: int | None) -> int:
+    """``width`` checked (1, 2, 4 or 8), or ``tree_width()`` when it is None."""
+    return tree_width() if width is None else _checked(width)
 
 
 def use_tree_width(v: int) -> None:
-    """Set this process's V from its contract. Once set it cannot change: two contracts of
-    different widths in one process would make one model's forward silently follow the other's."""
-    if v not in (1, 2, 4, 8):
-        raise KernelLimitError(f"tree width must be 1, 2, 4 or 8, got {v!r}")
-    if _WIDTH["set"] and _WIDTH["v"] != v:
-        raise KernelLimitError(f"this process already runs the row-parallel trees at width {_WIDTH['v']}; a contract "
-                               f"of width {v} needs its own process")
-    _WIDTH.update(v=v, set=True)
+    """Set this process's V from its contract: the SGLang patches do, once per scheduler process,
+    before any layer is built (``patches.apply_all``). Once set it cannot change: two contracts of
+    different widths in one process would make one model's forward silently follow the other's.
+    Code that runs another contract's numerics in this process passes ``width=`` or uses
+    ``set_tree_width``."""
+    v = _checked(v)
+    if _PROCESS["set"] and _PROCESS["v"] != v:
+        raise KernelLimitError(f"this process already runs the row-parallel trees at width {_PROCESS['v']}; a "
+                               f"contract of width {v} needs its own process (or width= / set_tree_width)")
+    _PROCESS.update(v=v, set=True)
+
+
+@contextlib.contextmanager
+def set_tree_width(v: int) -> Iterator[int]:
+    """``with set_tree_width(v):`` -- calls without ``width=`` run at V = ``v`` inside the block
+    (process-wide, as ``set_batch_invariant_mode``); the previous V is back on exit, however the
+    block ends. Blocks nest."""
+    _OVERRIDES.append(_checked(v))
+    try:
+        yield v
+    finally:
+        _OVERRIDES.pop()
 
 
 def _is_coordinator(group) -> bool:
     return hasattr(group, "device_group") and hasattr(group, "all_gather_into_tensor")
 
 
-def _world(group) -> int:
+def world_size(group) -> int:
+    """The number of ranks in ``group`` (1 without a group)."""
     if group is None:
         return 1
     return group.world_size if _is_coordinator(group) else dist.get_world_size(group)
@@ -69,7 +105,7 @@ def rank_in(group) -> int:
 
 def gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """[world, *x.shape]: every rank's ``x`` in rank order (an exact copy, no arithmetic)."""
-    world = _world(group)
+    world = world_size(group)
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     if _is_coordinator(group):
         group.all_gather_into_tensor(out, x.contiguous())
@@ -81,7 +117,7 @@ def gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
 def sum_exact(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce for tensors whose every element is non-zero on at most one rank (EP slot
     outputs, vocab-parallel token logits): x + 0 + ... + 0 is exact in any order."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return x
     if _is_coordinator(group):
         return group.all_reduce(x)
@@ -89,9 +125,12 @@ def sum_exact(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _segments_for(world: int, k_local: int) -> int:
-    v = tree_width()
-    if world not in (1, 2, 4, 8) or v % world:
+def segments_for(world: int, k_local: int, width: int | None = None) -> int:
+    """A rank's segments of the V-segment tree (``width``; None: ``tree_width()``) when ``world``
+    ranks share K, each holding ``k_local`` columns; refused when the degree does not divide V
+    or the segments do not divide ``k_local``."""
+    v = resolve_width(width)
+    if world not in WIDTHS or v % world:
         raise KernelLimitError(f"tree reduction supports the TP degrees dividing V={v}; got {world}")
     segments = v // world
     if k_local % segments:
@@ -99,25 +138,25 @@ def _segments_for(world: int, k_local: int) -> int:
     return segments
 
 
-def row_linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """Whole tree in plain torch (x [M, K], w [N, K] full, not sharded)."""
-    return matmul_reference(x, w, out_dtype or x.dtype, segments=tree_width())
+def row_linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype=None, width: int | None = None) -> torch.Tensor:
+    """Whole tree in plain torch (x [M, K], w [N, K] full, not sharded; ``width``: V, None: ``tree_width()``)."""
+    return matmul_reference(x, w, out_dtype or x.dtype, segments=resolve_width(width))
 
 
 def finish_tree(root: torch.Tensor, group=None) -> torch.Tensor:
     """fp32 subtree root of this rank -> fp32 root of the whole tree (identity for one rank)."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return root
     return tree_sum(gather_stacked(root, group).unbind(0))
 
 
-def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None) -> torch.Tensor:
+def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None, width: int | None = None) -> torch.Tensor:
     """x [M, K/t], w [N, K/t] (this rank's shard) -> [M, N], identical on every rank and for
-    every t. ``out_dtype=torch.float32`` returns the unrounded root."""
-    segments = _segments_for(_world(group), x.shape[1])
-    if segments == 1 and _world(group) == 1:  # V = 1: no tree, the plain GEMM
+    every t. ``out_dtype=torch.float32`` returns the unrounded root. ``width``: V (None: ``tree_width()``)."""
+    segments = segments_for(world_size(group), x.shape[1], width)
+    if segments == 1 and world_size(group) == 1:  # V = 1: no tree, the plain GEMM
         return matmul(x, w, out_dtype or x.dtype, role="row")
-    if _world(group) == 1 and not INTERPRETED:
+    if world_size(group) == 1 and not INTERPRETED:
         # the whole tree here: the tree kernel rounds the root itself (round to nearest even, as
         # torch's cast; GPU tier: test_row_linear_rounds_like_a_cast), no separate cast pass.
         # Triton's CPU interpreter rounds fp32 -> bf16 differently, so the CPU tier casts in torch.
@@ -126,14 +165,15 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None) -> 
     return finish_tree(root, group).to(out_dtype or x.dtype)
 
 
-def row_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group, out_dtype=None) -> torch.Tensor:
+def row_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group, out_dtype=None,
+                              width: int | None = None) -> torch.Tensor:
     """Sequence-parallel form: rank r returns rows [r*M/t, (r+1)*M/t) of ``row_linear``."""
-    world = _world(group)
+    world = world_size(group)
     if x.shape[0] % world:
         raise KernelLimitError(f"reduce-scatter form: rows {x.shape[0]} must divide by the group size {world}")
     if world == 1:
-        return row_linear(x, w, None, out_dtype)  # one rank holds every row: the plain form (any width)
-    root = split_matmul(x, w, _segments_for(world, x.shape[1]), torch.float32)
+        return row_linear(x, w, None, out_dtype, width)  # one rank holds every row: the plain form (any width)
+    root = split_matmul(x, w, segments_for(world, x.shape[1], width), torch.float32)
     send = list(root.chunk(world, dim=0))
     recv = [torch.empty_like(send[0]) for _ in range(world)]
     torch_group = group.device_group if _is_coordinator(group) else group  # (an exact exchange either way)

@@ -33,14 +33,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_tree_width(monkeypatch):
-    """Every test starts as a fresh process does: no contract has set the row-parallel tree width
-    yet. ``kernels/tree_reduce`` lets a process set it once (a second width is refused), and CPU
-    tests patch models under contracts of width 8 (v1, the TP preview) and of width 1 (flat, the
-    default) in the one pytest process; within a test the once-per-process rule holds."""
+def _tree_width_untouched():
+    """No test changes the row-parallel tree width the next one runs at. The trainers bind their
+    contract's width into their op sets (models under width-8 and width-1 contracts share this
+    pytest process); only the SGLang patches set the process's width (``use_tree_width``, once),
+    and tests apply them in a subprocess; ``set_tree_width`` blocks restore it on exit."""
     from true_on_policy.kernels import tree_reduce
 
-    monkeypatch.setattr(tree_reduce, "_WIDTH", {"v": tree_reduce.VIRTUAL, "set": False})
+    before = tree_reduce.tree_width()
+    yield
+    assert tree_reduce.tree_width() == before, "this test changed the process's tree width: run it in a subprocess"
 
 
 @pytest.fixture(scope="session")

@@ -266,8 +266,8 @@ def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):
 
 
 def test_flat_contract_tp1_equals_patched_hf_at_tree_width_1(path):
-    """Under the flat contract (a fresh process: the tree width is set once per process) Megatron
-    TP1 and the patched HF trainer both run at width 1 and agree bitwise."""
+    """Under the flat contract Megatron TP1 and the patched HF trainer both run at width 1 (bound into
+    their op sets; the process's width stays the default 8) and agree bitwise."""
     from helpers import run_py
 
     code = f"""
@@ -282,13 +282,17 @@ ps.initialize_model_parallel(1, 1)
 hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
 m = tm.build_model(hf.config)
 tm.load_hf(m, hf.state_dict())
-assert tm.patch_megatron_model(m, FLAT)["contract"] == FLAT and tree_width() == 1
+assert tm.patch_megatron_model(m, FLAT)["contract"] == FLAT and tree_width() == 8
 trainer.patch_hf_model(hf, FLAT)
 g = torch.Generator().manual_seed(0)
 ids, mask = trainer.right_pad([torch.randint(0, 512, (n,), generator=g) for n in (33, 20, 9)])
 with torch.no_grad():
     a, b = tm.token_logprobs(m, ids, mask), trainer.token_logprobs(hf, ids, mask)
 assert torch.equal(a, b), (a - b).abs().max()
+hf8 = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
+trainer.patch_hf_model(hf8, "qwen3_moe_true_on_policy_v1")
+with torch.no_grad():
+    assert not torch.equal(a, trainer.token_logprobs(hf8, ids, mask))  # Megatron ran at width 1, not 8
 print("ok")
 """
     r = run_py(code, timeout=600)

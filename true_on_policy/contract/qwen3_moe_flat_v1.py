@@ -8,8 +8,9 @@ split their K: the rollout runs on one GPU per engine (as v1), and the trainer's
 expert tensor parallelism must be 1 (FSDP/DDP, or Megatron with TP 1 and EP any). Everything else
 (arguments, environment, every other op) is v1's. Select it on both sides:
 ``--true-on-policy-contract qwen3_moe_true_on_policy_flat_v1`` and
-``patch_hf_model(model, contract="qwen3_moe_true_on_policy_flat_v1")``; one process runs one
-tree width (``kernels.tree_reduce.use_tree_width`` refuses a second).
+``patch_hf_model(model, contract="qwen3_moe_true_on_policy_flat_v1")``. The width reaches the
+kernels explicitly: the trainers bind it into their op sets; an SGLang scheduler process runs one
+(``kernels.tree_reduce.use_tree_width``, set by the patches, refuses a second).
 """
 
 import dataclasses

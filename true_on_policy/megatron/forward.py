@@ -35,9 +35,7 @@ import torch
 from true_on_policy.contract import Contract, get_contract, known_contracts
 from true_on_policy.kernels import embedding as _emb
 from true_on_policy.kernels import rope as _rope
-from true_on_policy.kernels import tree_reduce as _tree
 from true_on_policy.megatron import comm, config, ops, pipeline
-from true_on_policy.megatron.ops import tree_segments
 from true_on_policy.trainer import handshake
 from true_on_policy.trainer import hf as trainer
 
@@ -60,7 +58,7 @@ def _attention(st, att, a, cos, sin, b, s):
     v = qkv[:, :, group + 1].contiguous()
     q, k = ops.rope(q.view(n, -1, d), cos, sin), ops.rope(k.view(n, -1, d), cos, sin)
     out = ops.attention(q, k, v, b, s, d ** -0.5)
-    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, tree_segments(g.tp))
+    root = ops.row_root(out.reshape(n, -1), att.linear_proj.weight, ops.segments(g.tp))
     return comm.tree(root, g.tp, scatter=g.sequence_parallel).to(a.dtype)
 
 
@@ -152,10 +150,6 @@ def patch_megatron_model(model, contract: str | None = None, provider: str | Non
               if c.tree_width % comm.world(g)]
     if narrow:
         raise config.MegatronLayoutError("patch_megatron_model refused:\n  - " + "\n  - ".join(narrow))
-    try:
-        _tree.use_tree_width(c.tree_width)
-    except ValueError as e:
-        raise TrainerPatchError(f"patch_megatron_model: {e}") from None
     record = {"role": "trainer:megatron-core", "contract": c.name, "fingerprint": c.fingerprint,
               "provider": provider, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
                                                "etp": comm.world(groups.etp), "sequence_parallel": sp,
@@ -165,7 +159,7 @@ def patch_megatron_model(model, contract: str | None = None, provider: str | Non
                            "true_on_policy.megatron.forward._forward"]}
     had = "forward" in model.__dict__
     setattr(model, _STATE, types.SimpleNamespace(
-        ops=ops.get(provider), provider=provider, groups=groups, stage=stage, f=f, record=record, original=(had, model.__dict__.get("forward")),
+        ops=ops.get(provider, c.tree_width), provider=provider, groups=groups, stage=stage, f=f, record=record, original=(had, model.__dict__.get("forward")),
         scaling=_rope.rope_scaling(f["rope"], f["max_positions"]), contract=c))
     model.forward = types.MethodType(_forward, model)
     return record
@@ -243,7 +237,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if problems:
         raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
     if attention_mask is not None:
-        trainer._check_right_padded(attention_mask)
+        trainer.check_right_padded(attention_mask)
     b, s = input_ids.shape
     ids, tp = input_ids, comm.world(state.groups.tp)
     if state.groups.sequence_parallel and s % tp:

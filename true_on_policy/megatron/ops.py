@@ -15,6 +15,7 @@ sum before a combine in slot order (``moe``), exactly the single-process functio
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -34,16 +35,15 @@ PROVIDERS = ("triton", "reference")
 F64 = torch.float64
 
 
-def tree_segments(group) -> int:
-    """This rank's segments of the row-parallel tree: the contract's width V (``use_tree_width``,
-    set by ``patch_megatron_model``) over the group's degree."""
-    return _tree.tree_width() // comm.world(group)
+def tree_segments(group, width: int) -> int:
+    """This rank's segments of the row-parallel tree: the contract's width V over the group's degree."""
+    return width // comm.world(group)
 
 
-def _row_root(x, w, s):
+def _row_root(x, w, s, width):
     """fp32 root of this rank's subtree; one segment of a width-1 tree (no tree) is the plain
     GEMM, as the rollout's ``row_linear`` computes it."""
-    if s == 1 and _tree.tree_width() == 1:
+    if s == 1 and width == 1:
         return _mm.matmul(x, w, torch.float32)
     return _mm.split_matmul(x, w, s, torch.float32)
 
@@ -58,15 +58,15 @@ def _wrap(fast, ref):
 
 
 # ---------------------------------------------------------------- the MoE block, any layout
-def _moe_reference(acc, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
+def _moe_reference(acc, width, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
     """x_own [T, H] this rank's tokens (routed here), x_all [N, H] the tokens of every rank of
     ``g.tok`` in rank order (x_own among them; ``g.tok`` None: x_all is x_own), fc1/fc2 this rank's
     experts (lists, expert-TP slices), ``first`` the id of its first expert; ``g.etp``/``g.ep`` the
-    expert-TP / EP groups, ``g.back`` the all-reduce group of the slot outputs' gradient. At one
-    rank this is ``moe_reference`` op for op."""
+    expert-TP / EP groups, ``g.back`` the all-reduce group of the slot outputs' gradient; ``width``
+    the contract's tree width. At one rank this is ``moe_reference`` op for op."""
     w, ids = _moe.route_reference(_mm.matmul_reference(x_own, router_w, acc=acc), top_k, norm)
     ids_all = comm.gather_ids(ids, g.tok)
-    segments = tree_segments(g.etp)
+    segments = tree_segments(g.etp, width)
     e = torch.zeros(x_all.shape[0], top_k, x_all.shape[1], dtype=torch.float32, device=x_all.device)
     for ex, (w13, w2) in enumerate(zip(fc1, fc2, strict=True)):
         t, j = torch.where(ids_all == first + ex)
@@ -85,22 +85,25 @@ def _own(e, rows, group):
     return e[r * rows:(r + 1) * rows]
 
 
-def _moe_triton(x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
+def _moe_triton(width, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
     """The same with the rollout's kernels (``kernels/moe.py`` pieces); forward only."""
     w, ids = _moe.route(_mm.matmul(x_own, router_w), top_k, norm)
     ids_all = comm.gather_ids(ids, g.tok)
     w13, w2 = torch.stack(list(fc1)), torch.stack(list(fc2))
-    segments = tree_segments(g.etp)
-    e = _moe.expert_outputs(x_all, ids_all, w13, w2, first, segments).view(x_all.shape[0], top_k, -1)
+    segments = tree_segments(g.etp, width)
+    e = _moe.expert_outputs(x_all, ids_all, w13, w2, first, segments, width).view(x_all.shape[0], top_k, -1)
     e = _own(comm.moe_reduce(e, g.etp, g.ep, None), x_own.shape[0], g.tok).reshape(-1, x_all.shape[1])
     return _moe.combine(e, torch.arange(e.shape[0], device=e.device).view(-1, top_k), w, x_own.dtype)
 
 
-def get(name: str) -> SimpleNamespace:
-    """The op set of provider ``name`` (``triton`` or ``reference``)."""
+def get(name: str, width: int) -> SimpleNamespace:
+    """The op set of provider ``name`` (``triton`` or ``reference``) at the contract's row-parallel
+    tree width ``width``, bound here (``segments(group)``: a rank's share of it); the ops never read
+    the process's width."""
+    width = _tree.resolve_width(width)
     if name == "reference":
         return SimpleNamespace(
-            name=name,
+            name=name, width=width, segments=lambda group: tree_segments(group, width),
             linear=lambda x, w: _mm.matmul_reference(x, w, None, acc=F64),
             lm_head=lambda x, w: _mm.matmul_reference(x, w, torch.float32, acc=F64),
             row_root=lambda x, w, s: _mm.matmul_reference(x, w, torch.float32, segments=s, acc=F64),
@@ -108,7 +111,7 @@ def get(name: str) -> SimpleNamespace:
             rope=_rope.apply_rope_reference,
             attention=lambda q, k, v, b, s, scale: _att.attention_reference(
                 q, k, v, *_att.contiguous_layout(b, s, q.device), scale, acc=F64),
-            moe=lambda *a: _moe_reference(F64, *a),
+            moe=lambda *a: _moe_reference(F64, width, *a),
             logprobs=lambda lg, tok, t: _lp.token_logprobs_reference(lg, tok, t, acc=F64),
             truncated_logprobs=lambda lg, tok, t, k, p, mp: _smp.truncated_token_logprobs_reference(
                 lg, tok, t, k, p, mp, acc=F64))
@@ -121,31 +124,31 @@ def get(name: str) -> SimpleNamespace:
             return _att.attention_reference(q, k, v, *_att.contiguous_layout(b, s, q.device), scale)
 
         return SimpleNamespace(
-            name=name,
+            name=name, width=width, segments=lambda group: tree_segments(group, width),
             linear=_wrap(_mm.matmul, _mm.matmul_reference),
             lm_head=_wrap(lambda x, w: _mm.matmul(x, w, torch.float32, role="lm_head"),
                           lambda x, w: _mm.matmul_reference(x, w, torch.float32)),
-            row_root=_wrap(_row_root,
+            row_root=_wrap(lambda x, w, s: _row_root(x, w, s, width),
                            lambda x, w, s: _mm.matmul_reference(x, w, torch.float32, segments=s)),
             rmsnorm=_wrap(_rms.rmsnorm, _rms.rmsnorm_reference),
             rope=_wrap(_rope.apply_rope, _rope.apply_rope_reference),
             attention=_wrap(attention, attention_ref),
-            moe=_moe_wrapped,
+            moe=partial(_moe_wrapped, width),
             logprobs=_wrap(lambda lg, tok, t: _lp.token_logprobs(lg, tok, t, validate=False),
                            _lp.token_logprobs_reference),
             truncated_logprobs=_wrap(_smp.truncated_token_logprobs, _smp.truncated_token_logprobs_reference))
     raise ValueError(f"unknown provider {name!r}; supported: {', '.join(PROVIDERS)}")
 
 
-def _moe_wrapped(x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
+def _moe_wrapped(width, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
     """Triton forward, reference backward: the expert weights go in as separate tensors so that
     autograd reaches megatron's per-expert parameters."""
     n = len(fc1)
 
     def fast(x_all, x_own, router_w, *ws):
-        return _moe_triton(x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
+        return _moe_triton(width, x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
 
     def ref(x_all, x_own, router_w, *ws):
-        return _moe_reference(torch.float32, x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
+        return _moe_reference(torch.float32, width, x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
 
     return _wrap(fast, ref)(x_all, x_own, router_w, *fc1, *fc2)

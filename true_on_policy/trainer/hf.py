@@ -22,7 +22,7 @@ import types
 import torch
 
 from true_on_policy.contract import get_contract
-from true_on_policy.kernels import tree_reduce as _tree
+from true_on_policy.kernels import rope as _rope
 from true_on_policy.manifest import Manifest, PatchRecord
 from true_on_policy.trainer import providers
 
@@ -75,7 +75,7 @@ def _norm_forward(self, x):
 
 def _rotary_forward(self, x, position_ids):
     pos = position_ids.reshape(-1)
-    cos, sin = providers._rope.cos_sin(pos, self._tp_head_dim, self._tp_theta, self._tp_rope_scaling)
+    cos, sin = _rope.cos_sin(pos, self._tp_head_dim, self._tp_theta, self._tp_rope_scaling)
     return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
 
 
@@ -121,7 +121,7 @@ def patch_hf_model(model, contract: str | None = None, provider: str | None = No
 
     c = get_contract(contract or DEFAULT_CONTRACT)  # unknown name -> error listing the known contracts
     provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
-    ops = providers.get(provider)
+    ops = providers.get(provider, c.tree_width)  # the row-parallel GEMMs' tree width, bound to this model
     problems = _check_model(model, c)
     if provider == "triton" and not next(model.parameters()).is_cuda:
         problems.append("provider 'triton' needs the model on a CUDA device (use provider='reference' on CPU)")
@@ -134,15 +134,11 @@ def patch_hf_model(model, contract: str | None = None, provider: str | None = No
             raise TrainerPatchError(f"model already patched with {state['manifest'].contract}/{state['provider']}; "
                                     "call unpatch_hf_model(model) first")
         return state["manifest"]
-    try:
-        _tree.use_tree_width(c.tree_width)  # the row-parallel GEMMs' tree (one per process)
-    except ValueError as e:
-        raise TrainerPatchError(f"patch_hf_model(contract={c.name!r}) refused: {e}") from None
     _register_attention(ops)
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    scaling = providers._rope.rope_scaling(rope, getattr(cfg, "max_position_embeddings", None))  # None or YaRN
+    scaling = _rope.rope_scaling(rope, getattr(cfg, "max_position_embeddings", None))  # None or YaRN
     originals, replaced = [], []
 
     def put(module, fn, label):
@@ -186,7 +182,8 @@ def unpatch_hf_model(model) -> bool:
     return True
 
 
-def _check_right_padded(mask: torch.Tensor):
+def check_right_padded(mask: torch.Tensor) -> None:
+    """Refuse a mask that is not right-padded, one sequence per row (``TrainerPatchError``)."""
     m = mask.to(torch.int8)
     if ((m[:, 1:] - m[:, :-1]) > 0).any():
         raise TrainerPatchError("attention_mask must be right-padded (ones, then zeros) with one sequence per row; "
@@ -237,7 +234,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if problems:
         raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
     if attention_mask is not None:
-        _check_right_padded(attention_mask)
+        check_right_padded(attention_mask)
     b, s = input_ids.shape
     n = s - 1 if logits_to_keep is None else logits_to_keep
     pos = torch.arange(s, device=input_ids.device).expand(b, s)

@@ -11,6 +11,7 @@ Both providers compute the same function; only the Triton one is bitwise equal t
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -82,31 +83,34 @@ def _lm_head_reference(x, w):
     return _mm.matmul_reference(x, w, torch.float32)
 
 
-def get(name: str) -> SimpleNamespace:
-    """The op set of provider ``name`` (``triton`` or ``reference``)."""
+def get(name: str, width: int) -> SimpleNamespace:
+    """The op set of provider ``name`` (``triton`` or ``reference``) at the contract's row-parallel
+    tree width ``width`` (o_proj and the MoE down projection; ``kernels/tree_reduce``), bound here:
+    the ops never read the process's width, so models patched under different contracts coexist."""
+    width = _tree.resolve_width(width)
     if name == "reference":
         return SimpleNamespace(
-            name=name,
+            name=name, width=width,
             linear=lambda x, w, dt=None: _mm.matmul_reference(x, w, dt, acc=F64),
             lm_head=lambda x, w: _mm.matmul_reference(x, w, torch.float32, acc=F64),
-            row_linear=lambda x, w: _mm.matmul_reference(x, w, segments=_tree.tree_width(), acc=F64),
+            row_linear=lambda x, w: _mm.matmul_reference(x, w, segments=width, acc=F64),
             rmsnorm=lambda x, w, eps: _rms.rmsnorm_reference(x, w, eps, acc=F64),
             rope=_rope.apply_rope_reference,
             attention=lambda *a: _ref_attention(*a, acc=F64),
-            moe=lambda *a: _moe.moe_reference(*a, acc=F64),
+            moe=lambda *a: _moe.moe_reference(*a, acc=F64, width=width),
             logprobs=lambda lg, tok, t: _lp.token_logprobs_reference(lg, tok, t, acc=F64),
             truncated_logprobs=lambda lg, tok, t, k, p, mp: _smp.truncated_token_logprobs_reference(
                 lg, tok, t, k, p, mp, acc=F64))
     if name == "triton":
         return SimpleNamespace(
-            name=name,
+            name=name, width=width,
             linear=_op(_mm.matmul, _mm.matmul_reference),
             lm_head=_op(_lm_head, _lm_head_reference),
-            row_linear=_op(_tree.row_linear, _tree.row_linear_reference),
+            row_linear=_op(partial(_tree.row_linear, width=width), partial(_tree.row_linear_reference, width=width)),
             rmsnorm=_op(_rms.rmsnorm, _rms.rmsnorm_reference),
             rope=_op(_rope.apply_rope, _rope.apply_rope_reference),
             attention=_op(_triton_attention, _ref_attention),
-            moe=_op(_moe.moe, _moe.moe_reference),
+            moe=_op(partial(_moe.moe, width=width), partial(_moe.moe_reference, width=width)),
             logprobs=_op(lambda lg, tok, t: _lp.token_logprobs(lg, tok, t, validate=False),
                          _lp.token_logprobs_reference),
             truncated_logprobs=_op(_smp.truncated_token_logprobs, _smp.truncated_token_logprobs_reference))
