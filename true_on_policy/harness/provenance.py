@@ -178,10 +178,13 @@ def _blob_digest(repo: Path, blob: str) -> bytes:
     return _BLOB_DIGESTS[blob]
 
 
-def commit_with_source(source: str, repo: str | os.PathLike | None = None, limit: int = 200) -> str | None:
-    """The newest of the last ``limit`` commits of HEAD whose source files hash to ``source``."""
+def commit_with_source(source: str, repo: str | os.PathLike | None = None, limit: int | None = None) -> str | None:
+    """The newest commit of HEAD's history (the last ``limit`` only, when given) whose source files
+    hash to ``source``. The whole history by default: a run stays verifiable however many commits
+    follow it."""
     repo = Path(repo or checkout_root())
-    for commit in (_git(repo, "rev-list", f"--max-count={limit}", "HEAD") or b"").decode().split():
+    count = [] if limit is None else [f"--max-count={limit}"]
+    for commit in (_git(repo, "rev-list", *count, "HEAD") or b"").decode().split():
         if source_sha256_at(commit, repo) == source:
             return commit
     return None
@@ -253,7 +256,7 @@ def verify(path: str | os.PathLike, repo: str | os.PathLike | None = None) -> tu
                       f"{g.get('commit')}, dirty={g.get('dirty')})")
     if not named:
         return False, f"no commit recorded ({g.get('reason')}) and no commit in this history has its source hash"
-    return False, f"the source that ran is not commit {' or '.join(named)}, nor a recent one (dirty={g.get('dirty')})"
+    return False, f"the source that ran is not commit {' or '.join(named)}, nor any commit of HEAD's history (dirty={g.get('dirty')})"
 
 
 def main(argv=None) -> int:
