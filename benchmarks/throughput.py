@@ -1,73 +1,26 @@
-"""End-to-end rollout throughput: stock SGLang, SGLang's deterministic mode alone, and
-``--true-on-policy`` (the default contract, ``true_on_policy.DEFAULT_CONTRACT``, with and without
-returned log-probs; ``tpo_v1``: the tree-width-8 contract ``qwen3_moe_true_on_policy_v1``;
-``tpo_flat``: the flat contract named explicitly, the default since 2026-12-01, so the same as
-``tpo`` now), same model and workload, variants alternated pass by pass in one run. Every engine
-record names its contract and fingerprint (evidence from before the switch ran v1 as ``tpo``).
+"""End-to-end rollout throughput: stock SGLang against ``--true-on-policy`` on the workloads of
+``workloads.py``, one geometry (``geometries.py``) per run, every variant (``engines.py``)
+alternated within the run.
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py [--geometry a3b6] [--prompts 256] \\
-        [--min-prompt 64] [--max-prompt 512] [--new-tokens 512] [--repeats 3] \\
-        [--variants stock deterministic tpo tpo_no_logprob tpo_v1 stock_eager_prefill [tpo_flat tpo_pg tpo_flat_pg]] \\
-        [--prefix-cache cold] [--http] \\
-        [--one-engine --mem 0.85 --passes 2 [--resume]] [--generation-config '{"top_k": 20, "top_p": 0.95}'] \\
-        [--out X.json]
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/throughput.py --geometry a3b48 --workload plain qwen tail long \\
+        --variants stock stock_fi tpo tpo_v1 --new-tokens 256 --one-engine --mem 0.85 --http \\
+        --resume --time-budget 540 --out evidence/throughput-space-a3b48.json
 
-Each variant is one engine in its own process, all started first, one after the other; each
-gets the same KV-cache budget (``--kv-gb``: its ``mem_fraction_static`` is set from the GPU's free
-memory just before it starts, since SGLang charges the fraction against the memory free at its
-start; ``engines`` in the evidence records what each got: KV-cache tokens, running requests, the
-CUDA graph settings, and ``start_s``, the seconds from its process start to ready); each is
-warmed up with the whole workload; then pass r of every variant runs before pass r + 1 of any
-(so drift of the machine hits all variants alike). A pass submits all prompts at
-once (T = 1.0, ignore_eos, one seed per request, log-probs on except ``tpo_no_logprob``) and
-counts completion tokens over wall time. Every pass sends the same prompts; by default
-(``--prefix-cache cold``) each engine's prefix cache is emptied before every pass, so a pass
-computes its prompts as fresh rollout prompts are computed. ``--prefix-cache warm`` keeps the
-cache, as every committed run up to commit 1a7ce61 did: the warm-up then caches every prompt and
-the timed passes compute one token of each, i.e. they time decode only. The table gives every
-pass, the median and the ratio to stock's median.
+A pass submits all of a workload's requests at once (``--http``: each as its own concurrent
+``/generate`` request to a server started as users start one; else one ``Engine.generate``),
+log-probs on (but for ``tpo_no_logprob``), after emptying the prefix cache (``--prefix-cache cold``),
+and counts completion tokens over wall time. Every engine first runs each of its workloads once
+with new tokens capped (the warm-up). ``--one-engine``: one engine on the GPU at a time with
+``--mem`` of it, started, run through its workloads and shut down, variant after variant, for
+``--repeats`` rounds; otherwise every engine starts first with ``--kv-gb`` of KV cache and round r
+of every variant runs before round r + 1 of any. A round runs ``--passes`` passes of each workload
+(default: the workload's own count with ``--one-engine``, else 1).
 
-``--http`` serves each variant as users do (``python -m launch.server --true-on-policy`` for the tpo
-variants, ``python -m sglang.launch_server`` with the same flags for the stock ones) and sends
-every prompt as its own concurrent ``/generate`` request; without it a pass is one
-``Engine.generate`` call. The evidence records the client (``engine`` or ``http``).
-
-"tpo_pg" and "tpo_flat_pg" run the v1 and the flat contract with SGLang's prefill CUDA
-graphs on (the previews ``qwen3_moe_true_on_policy_pg_preview_v1`` and
-``qwen3_moe_true_on_policy_flat_pg_preview_v1``; bitwise at 6 layers, evidence/parity-tpo-*pg-a3b6-t1.0.json);
-only when named.
-
-``--generation-config JSON`` times the sampling a real Qwen3 checkpoint asks for: its
-``generation_config.json`` (top_k 20, top_p 0.8-0.95) is applied by SGLang to every request
-(``--sampling-defaults model``), so every draw truncates. The run serves a sibling folder of the
-checkpoint, links to its files plus that generation_config.json; the evidence records it.
-
-``--trace DIR`` adds, after the timed passes, one untimed pass per variant whose first
-``--trace-steps`` forwards SGLang's own torch profiler records into ``DIR/VARIANT`` (the trace is
-written while the scheduler waits, so it is never in a timed pass); ``benchmarks/trace_gaps.py
-DIR`` then gives each variant's GPU busy and idle time over that window: what the op profile, which
-drives the model runner alone, cannot see (the scheduler, the overlap loop, output processing).
-
-``--one-engine`` is for models too large for all variants to share the GPU (the 48-layer
-30B-A3B: 57 GB of weights each): one engine at a time holds the GPU with ``--mem`` of it
-(mem_fraction_static, the same for every variant), the way a user serves it. Round r starts
-each variant in turn, warms it up with the whole workload, times ``--passes`` passes, and shuts
-it down (waiting until the GPU's memory is free again) before the next variant starts; rounds
-repeat ``--repeats`` times, so the variants still alternate through the run. ``--resume``
-continues a one-engine run cut short (the evidence is rewritten after each variant, marked
-incomplete): if ``--out`` holds an incomplete run from the same source, versions and arguments,
-its passes are kept and only the variants it lacks start; ``resumed_from`` lists the provenance
-of every earlier start. Anything else is run whole.
-
-"deterministic" separates what SGLang's deterministic mode costs (which the
-contract requires) from what the overlay adds; "tpo_no_logprob" shows the cost of log-probs.
-"stock_eager_prefill" is stock with its prefill CUDA graphs off (``--cuda-graph-backend-prefill
-disabled``; SGLang 0.5.17 captures prefills in breakable graphs by default, the contracts run them
-eagerly). The bar is the faster of the two in the run, so both run by default and the table's
-last column is the ratio to the faster of them (``fastest_stock`` in the evidence). Over the
-Engine at 6 layers the eager one was faster in one start (bf5ad8b: 50,010 tok/s against 37,410 in
-another); over HTTP in one run at d8d3a95 the default was, at 48 layers (8,870 against 8,235) and
-at 6 (44,520 against 43,408).
+``--out`` is rewritten whole after every pass: the geometry, the workloads' draws, each engine
+start, every pass, the medians and ratios (``results.py``), and ``complete``. ``--resume`` keeps the
+passes of an incomplete ``--out`` from the same source, versions and arguments and runs the rest;
+``--time-budget S`` stops (exit 3) before a start, warm-up or pass that the run's earlier ones say
+would end after S seconds, so a time-limited call can be repeated until the run is complete.
 """
 
 from __future__ import annotations
@@ -75,253 +28,125 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
+import signal
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads as wl  # noqa: E402
+from engines import ENGINE_KEYS, HttpEngine, flush, free_gib, runs, start_engine, variant_contract, wait_gpu_free  # noqa: E402
+from results import markdown, summarize  # noqa: E402
+
 DEFAULT_VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_v1", "stock_eager_prefill")
-VARIANTS = (*DEFAULT_VARIANTS, "tpo_flat", "tpo_pg", "tpo_flat_pg")  # run when named
-FAIR_STOCK = ("stock", "stock_eager_prefill")  # the stock configurations a ratio may be taken against (see table)
-FLAT = "qwen3_moe_true_on_policy_flat_v1"  # tpo_flat: the contract of tree width 1
-# the variants that name a contract (the others run the default one, DEFAULT_CONTRACT)
-CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
-             "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1"}
-ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
-               "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
-               "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill",
-               "disable_overlap_schedule", "cuda_graph_config")
+VARIANTS = (*DEFAULT_VARIANTS, "stock_fi", "stock_auto", "tpo_flat", "tpo_pg", "tpo_flat_pg")  # run when named
+OPTIONAL = ("stock_fi", "stock_eager_prefill", "stock_auto")  # a stock setting the host cannot start is recorded, left out
+EXIT_INCOMPLETE = 3
+PASS_MARGIN = 1.5  # --time-budget: a pass may take this much longer than the longest one so far
 
 
-STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
-               "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"}}
+def _now() -> float:
+    return time.monotonic()
 
 
-def _engine(name, model_path, mem):
-    kw = dict(model_path=model_path, mem_fraction_static=mem, random_seed=0, log_level="error")
-    if name in STOCK_EXTRA:
-        import sglang
-
-        from true_on_policy import env
-
-        env.disable_overlay()
-        return sglang.Engine(attention_backend="triton", sampling_backend="pytorch", **kw, **STOCK_EXTRA[name])
-    from true_on_policy.rollout.engine import TrueOnPolicyEngine
-
-    return TrueOnPolicyEngine(**kw, **({"contract": CONTRACTS[name]} if name in CONTRACTS else {}))
+def _say(obj) -> None:
+    print("RESULT " + json.dumps(obj, default=str), flush=True)
 
 
-def _flush(eng, tries: int = 100) -> None:
-    """Empty the engine's prefix (radix) cache; SGLang refuses while a request is still in flight,
-    so retry briefly, then raise: a pass must never time cached prompts as if computed."""
-    for _ in range(tries):
-        r = eng.flush_cache()
-        if getattr(r, "success", r):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"flush_cache did not succeed after {tries} tries: {r!r}")
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a time limit) unwinds like an exception, so every started server is shut down."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def _flags(extra: dict) -> list[str]:
-    """Engine keyword arguments as SGLang's command-line flags (True -> the bare flag)."""
-    out = []
-    for k, v in extra.items():
-        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-    return out
-
-
-class HttpEngine:
-    """What ``serve`` needs of an engine, over HTTP as users run it: a server process (``python -m
-    launch.server --true-on-policy`` for the tpo variants, ``python -m sglang.launch_server`` with
-    the same flags as the Engine for the stock ones) on a free local port; a pass posts every
-    prompt as its own concurrent ``/generate`` request (one client thread each, as an RL rollout
-    client sends a batch); the prefix cache is emptied through ``/flush_cache``."""
-
-    def __init__(self, name, model_path, mem, log_path=None, start_timeout_s: float = 1200.0, port=None):
-        import socket
-
-        if port is None:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-        common = ["--model-path", model_path, "--mem-fraction-static", str(mem), "--random-seed", "0",
-                  "--log-level", "error", "--host", "127.0.0.1", "--port", str(port)]
-        env = dict(os.environ)
-        if name in STOCK_EXTRA:
-            from true_on_policy import env as tpo_env
-
-            env.pop(tpo_env.ENABLED.name, None)  # stock: no overlay in any server process
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "triton",
-                   "--sampling-backend", "pytorch", *_flags(STOCK_EXTRA[name]), *common]
-        else:
-            cmd = [sys.executable, "-m", "launch.server", "--true-on-policy",
-                   *(["--true-on-policy-contract", CONTRACTS[name]] if name in CONTRACTS else []), *common]
-        self.url = f"http://127.0.0.1:{port}"
-        if log_path is None:  # kept: a server that dies says why (its tail goes into the error)
-            import tempfile
-
-            log_path = os.path.join(tempfile.gettempdir(), f"tpo-throughput-{name}-{port}.log")
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self._wait_up(start_timeout_s)
-
-    def _wait_up(self, timeout_s):
-        import requests
-
-        t0 = time.time()
-        while time.time() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                self.shutdown()
-                raise RuntimeError(f"server exited with rc {self.proc.returncode} before it was up; "
-                                   f"the end of {self.log_path}:\n{self._tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        self.shutdown()
-        raise RuntimeError(f"server not up after {timeout_s:.0f} s; the end of {self.log_path}:\n{self._tail()}")
-
-    def _tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-n:]
-        except OSError as e:
-            return f"({e})"
-
-    def generate(self, input_ids, sampling_params, return_logprob):
-        from concurrent.futures import ThreadPoolExecutor
-
-        import requests
-
-        def one(job):
-            ids, sp = job
-            r = requests.post(self.url + "/generate", json={"input_ids": ids, "sampling_params": sp,
-                                                            "return_logprob": return_logprob}, timeout=3600)
-            r.raise_for_status()
-            return r.json()
-
-        with ThreadPoolExecutor(max_workers=max(1, len(input_ids))) as pool:
-            return list(pool.map(one, zip(input_ids, sampling_params, strict=True)))
-
-    def flush_cache(self):
-        import requests
-
-        r = requests.post(self.url + "/flush_cache", timeout=60)
-        return type("Flushed", (), {"success": r.status_code == 200, "message": r.text[:200]})()
-
-    def get_server_info(self) -> dict:
-        import requests
-
-        return requests.get(self.url + "/server_info", timeout=60).json()
-
-    def start_profile(self, **req):
-        import requests
-
-        requests.post(self.url + "/start_profile", json=req, timeout=600).raise_for_status()
-
-    def shutdown(self):
-        import signal
-
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-        self.log.close()
-
-
-def serve(name, model_path, prompts_n, min_len, max_len, new_tokens, mem, cold: bool = True,
-          http: bool = False) -> None:
-    """Variant process: start the engine, then answer commands on stdin ("warm", "pass R", "quit")
-    with one RESULT line each on stdout. ``cold``: the prefix cache is emptied before every pass
-    (the warm-up included), so each pass computes its prompts' prefill as fresh rollout prompts do;
-    otherwise every timed pass finds its prompts cached by the warm-up and computes one token of
-    each."""
-    import json as _json
-
-    from true_on_policy.harness.parity import make_prompts
-
+def serve(name, model_path, names, prompts, min_len, max_len, new_tokens, mem, cold=True, http=False) -> None:
+    """Variant process: start the engine, then answer commands on stdin ("warm W", "pass W I",
+    "trace W DIR STEPS", "quit") with one RESULT line each on stdout (``error`` when it failed)."""
     with open(os.path.join(model_path, "config.json")) as f:
-        vocab = _json.load(f)["vocab_size"]
-    prompts = make_prompts(prompts_n, vocab, 21, min_len, max_len)
+        vocab = json.load(f)["vocab_size"]
+    draws = {w: wl.draw(w, vocab, prompts, min_len, max_len, new_tokens) for w in names}
     logprob = name != "tpo_no_logprob"
-    eng = HttpEngine(name, model_path, mem) if http else _engine(name, model_path, mem)
+    try:
+        eng = HttpEngine(name, model_path, mem) if http else start_engine(name, model_path, mem)
+    except Exception as e:  # noqa: BLE001 - the driver records it (an optional stock the host cannot run)
+        _say({"error": f"{type(e).__name__}: {e}"[-4000:]})
+        return
 
-    def run(seed0):
+    def run(w, seed0, cap=None) -> dict:
+        d = draws[w]
         if cold:
-            _flush(eng)
-        params = [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": seed0 + i}
-                  for i in range(len(prompts))]
+            flush(eng)
         t0 = time.perf_counter()
-        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=logprob)
+        outs = eng.generate(input_ids=d.prompts, sampling_params=d.params(seed0, cap), return_logprob=logprob)
         dt = time.perf_counter() - t0
-        return sum(o["meta_info"]["completion_tokens"] for o in outs), dt
+        tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        if tokens != d.expected_tokens(cap):
+            raise RuntimeError(f"{w}: {tokens} completion tokens, {d.expected_tokens(cap)} drawn (ignore_eos)")
+        return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
 
     try:  # what bounds the run: KV-cache tokens, admitted requests, the largest captured decode batch
         info = eng.get_server_info()
         engine = {k: info.get(k) for k in ENGINE_KEYS}
     except Exception as e:  # noqa: BLE001  (recorded, not fatal)
         engine = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
-    print("RESULT " + json.dumps({"ready": name, "engine": engine}, default=str), flush=True)
+    _say({"ready": name, "engine": engine})
     try:
         for line in sys.stdin:
             cmd = line.split()
             if not cmd or cmd[0] == "quit":
                 break
-            if cmd[0] == "trace":  # "trace DIR STEPS": one more pass, untimed, its first STEPS forwards profiled
-                eng.start_profile(output_dir=cmd[1], num_steps=int(cmd[2]), activities=["CPU", "GPU"],
-                                  with_stack=False, record_shapes=False)
-                seed0 = 90000
-            else:
-                seed0 = 5000 if cmd[0] == "warm" else 7000 + 1000 * int(cmd[1])
-            tokens, dt = run(seed0)
-            print("RESULT " + json.dumps({"cmd": cmd, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}),
-                  flush=True)
+            try:
+                if cmd[0] == "trace":  # "trace W DIR STEPS": one more pass, untimed, its first STEPS forwards profiled
+                    eng.start_profile(output_dir=cmd[2], num_steps=int(cmd[3]), activities=["CPU", "GPU"],
+                                      with_stack=False, record_shapes=False)
+                    _say({"cmd": cmd, **run(cmd[1], 90000)})
+                elif cmd[0] == "warm":
+                    _say({"cmd": cmd, **run(cmd[1], 5000, wl.WARM_CAP)})
+                else:
+                    _say({"cmd": cmd, **run(cmd[1], 7000 + 1000 * int(cmd[2]))})
+            except Exception as e:  # noqa: BLE001 - the driver raises it
+                _say({"cmd": cmd, "error": f"{type(e).__name__}: {e}"[-4000:]})
+                raise
     finally:
         eng.shutdown()
 
 
-def _free_gb() -> float:
-    """Free memory of the first visible GPU (nvidia-smi: no CUDA context in this process)."""
-    dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return float(out.split()[0]) / 1024
+class StartFailed(RuntimeError):
+    """A variant's engine did not start."""
 
 
 class _Variant:
-    def __init__(self, name, args, model_path, mem):
-        cmd = [sys.executable, __file__, "--serve", name, "--model-path", model_path, "--prompts", str(args.prompts),
-               "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-               "--new-tokens", str(args.new_tokens), "--mem", str(mem), "--prefix-cache", args.prefix_cache,
-               *(["--http"] if args.http else [])]
-        self.name = name
+    """One variant's process (``serve``), driven over its stdin and stdout."""
+
+    def __init__(self, name, a, model_path, mem, names):
+        import subprocess
+
+        cmd = [sys.executable, __file__, "--serve", name, "--model-path", model_path, "--workload", *names,
+               "--prompts", str(a.prompts), "--min-prompt", str(a.min_prompt), "--max-prompt", str(a.max_prompt),
+               "--new-tokens", str(a.new_tokens), "--mem", str(mem), "--prefix-cache", a.prefix_cache,
+               *(["--http"] if a.http else [])]
+        self.name, self.workloads = name, list(names)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=dict(os.environ))
-        self.engine = self.result().get("engine")  # ready
+        ready = self.result()
+        if "error" in ready:
+            self.close()
+            raise StartFailed(f"{name}: {ready['error']}")
+        self.engine = ready.get("engine")
         self.start_s = time.perf_counter() - t0  # process start to engine (or server) ready
 
     def result(self) -> dict:
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
-        raise RuntimeError(f"variant {self.name} exited (rc {self.proc.wait()}) before answering")
+        raise StartFailed(f"variant {self.name} exited (rc {self.proc.wait()}) before answering")
 
     def ask(self, cmd: str) -> dict:
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
-        return self.result()
+        r = self.result()
+        if "error" in r:
+            raise RuntimeError(f"{self.name} {cmd}: {r['error']}")
+        return r
 
     def close(self):
         if self.proc.poll() is None:
@@ -333,111 +158,246 @@ class _Variant:
                 self.proc.kill()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--geometry", default="a3b6")
-    p.add_argument("--model-path")
-    p.add_argument("--prompts", type=int, default=256)
-    p.add_argument("--min-prompt", type=int, default=64)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
-    p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
-    p.add_argument("--one-engine", action="store_true", help="one engine on the GPU at a time (see the docstring)")
-    p.add_argument("--passes", type=int, default=2, help="--one-engine: timed passes per engine start")
-    p.add_argument("--out")
-    p.add_argument("--serve", help=argparse.SUPPRESS)
-    p.add_argument("--mem", type=float, default=0.85, help="--one-engine: mem_fraction_static of every engine")
-    p.add_argument("--prefix-cache", choices=("cold", "warm"), default="cold",
-                   help="cold: empty the prefix cache before every pass (each pass computes its prompts); warm: "
-                        "keep it (every timed pass finds its prompts cached by the warm-up; decode only)")
-    p.add_argument("--trace", metavar="DIR",
-                   help="after the timed passes, one more untimed pass per variant whose first --trace-steps forwards "
-                        "SGLang's torch profiler records (CPU and GPU) into DIR/VARIANT; benchmarks/trace_gaps.py reads them")
-    p.add_argument("--trace-steps", type=int, default=40)
-    p.add_argument("--resume", action="store_true",
-                   help="--one-engine: continue the run cut short in --out (same source, versions and arguments): "
-                        "the passes it holds are kept, only the missing variants run; the evidence lists every start")
-    p.add_argument("--http", action="store_true",
-                   help="serve each variant over HTTP (launch.server / sglang.launch_server) and send every prompt as "
-                        "its own concurrent /generate request, instead of one Engine.generate call")
-    p.add_argument("--generation-config", metavar="JSON", type=_generation_config,
-                   help="sampling defaults in the checkpoint's generation_config.json, which SGLang applies to every "
-                        "request (--sampling-defaults model), e.g. Qwen3's '{\"top_k\": 20, \"top_p\": 0.95}'; the "
-                        "requests still send T = 1.0. The run serves a sibling folder of the checkpoint (links to its "
-                        "files) with that generation_config.json")
-    a = p.parse_args(argv)
-    if a.resume and not (a.one_engine and a.out):
-        p.error("--resume needs --one-engine and --out")
-    if a.serve:
-        serve(a.serve, a.model_path, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem,
-              cold=a.prefix_cache == "cold", http=a.http)
-        return 0
-    from true_on_policy.harness import tiny_model
-    from true_on_policy.harness.provenance import provenance, write_evidence
+class Run:
+    """The passes of one run and what its evidence says of them."""
 
-    prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
-    model_path = a.model_path or tiny_model.ensure(a.geometry)
-    if a.generation_config:
-        model_path = with_generation_config(model_path, a.generation_config)
-    weights_gb = sum(os.path.getsize(os.path.join(model_path, f)) for f in os.listdir(model_path)
-                     if f.endswith(".safetensors")) / 2**30
-    variants, passes, mems, engines = [], {v: [] for v in a.variants}, {}, {}
-    earlier = []  # the provenance of each earlier start of a resumed run
-    if a.resume and os.path.exists(a.out):
-        with open(a.out) as f:
-            prev = json.load(f)
-        why = _not_resumable(prev, _workload_record(a, model_path))
-        if why:
-            print(f"not resuming {a.out}: {why}; running it whole", flush=True)
-        else:
-            earlier = [*prev.get("resumed_from", []), prev["provenance"]]
-            for r in prev["rows"]:
-                kept = len(r["tokens_per_s"]) // a.passes * a.passes  # whole engine starts only
-                passes[r["variant"]] = [{"tokens_per_s": x, "tokens": t}
-                                        for x, t in zip(r["tokens_per_s"][:kept], r["tokens"][:kept], strict=True)]
-            mems.update(prev["mem_fraction_static"])
-            engines.update(prev["engines"])
-            print(f"resuming {a.out}: " + ", ".join(f"{v} {len(x)} passes" for v, x in passes.items()), flush=True)
+    def __init__(self, a, model_path, prov, geometry=None):
+        self.a, self.model_path, self.prov, self.geometry = a, model_path, prov, geometry
+        self.workloads = list(dict.fromkeys(a.workload))
+        with open(os.path.join(model_path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        self.draws = {w: wl.draw(w, vocab, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens)
+                      for w in self.workloads}
+        self.passes = {w: {v: [] for v in a.variants if runs(v, w)} for w in self.workloads}
+        self.engines, self.starts, self.failed, self.mems, self.earlier = {}, [], {}, {}, []
+        self.t0 = _now()
 
-    def report(done: int) -> None:
-        """Table and evidence of the passes so far (written after every round, and under
-        --one-engine after every variant, so a run cut short still leaves what it measured, marked
-        incomplete)."""
-        rows, fastest = table(passes, a.variants)
-        print(f"| variant | tokens/s per pass | median | vs stock | vs fastest stock ({fastest or 'n/a'}) |"
-              f"   (after {done} of {a.repeats} rounds)\n|---|---|---:|---:|---:|")
-        for r in rows:
-            ratio, best = (f"{r[k]:.2f}" if r[k] else "n/a" for k in ("ratio_vs_stock", "ratio_vs_fastest_stock"))
-            med = f"{r['median']:.0f}" if r["median"] else "n/a"
-            print(f"| {r['variant']} | {', '.join(f'{x:.0f}' for x in r['tokens_per_s'])} | {med} | {ratio} | {best} |",
-                  flush=True)
-        if a.out:
-            write_evidence(a.out, {**_workload_record(a, model_path), "rounds_done": done,
-                                   "complete": done == a.repeats, "mem_fraction_static": mems, "alternated": True,
-                                   "fastest_stock": fastest, "engines": engines, "rows": rows,
-                                   **({"resumed_from": earlier} if earlier else {})}, prov)
+    def per_round(self, w: str) -> int:
+        return self.a.passes or (wl.get(w).passes if self.a.one_engine else 1)
 
-    if a.one_engine:
-        _one_engine_rounds(a, model_path, passes, mems, engines, report)
-        return 0
+    def missing(self, v: str, r: int) -> list[str]:
+        """The workloads variant ``v`` still lacks passes of, through round ``r``."""
+        return [w for w in self.workloads if v in self.passes[w] and len(self.passes[w][v]) < (r + 1) * self.per_round(w)]
+
+    def complete(self) -> bool:
+        return all(not self.missing(v, self.a.repeats - 1) for v in self.a.variants if v not in self.failed)
+
+    def record(self) -> dict:
+        """What the run measures (a resumed run must match it exactly)."""
+        a = self.a
+        return {"geometry": a.geometry, "model_path": self.model_path, "prompts": a.prompts,
+                "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
+                "prefix_cache": a.prefix_cache, "client": "http" if a.http else "engine", "repeats": a.repeats,
+                "kv_gb": None if a.one_engine else a.kv_gb, "one_engine_at_a_time": a.one_engine,
+                "variants": list(a.variants), "mem": a.mem if a.one_engine else None,
+                "generation_config": a.generation_config,
+                "workloads": {w: {"passes_per_round": self.per_round(w), **self.draws[w].record()}
+                              for w in self.workloads}}
+
+    def resume_from(self, prev: dict) -> None:
+        self.earlier = [*prev.get("resumed_from", []), prev["provenance"]]
+        for w, res in prev["results"].items():
+            for row in res["rows"]:
+                self.passes[w][row["variant"]] = list(row["passes"])
+        self.engines.update(prev["engines"])
+        self.starts = list(prev["starts"])
+        self.failed.update(prev.get("failed") or {})
+        self.mems.update(prev["mem_fraction_static"])
+        print("resuming: " + "; ".join(f"{w} " + ", ".join(f"{v} {len(x)}" for v, x in self.passes[w].items())
+                                       for w in self.workloads), flush=True)
+
+    def report(self, show: bool = False) -> None:
+        """Write the evidence of the passes so far (``show``: print the table too)."""
+        results = summarize(self.passes, self.a.variants, self.workloads)
+        text = markdown(results, self.a.variants)
+        if show:
+            print(text, flush=True)
+        if self.a.out:
+            from true_on_policy.harness.provenance import write_evidence
+
+            write_evidence(self.a.out, {**self.record(), "geometry_record": self.geometry, "alternated": True,
+                                        "complete": self.complete(), "mem_fraction_static": self.mems,
+                                        "engines": self.engines, "starts": self.starts, "failed": self.failed,
+                                        "results": results, "table": text,
+                                        **({"resumed_from": self.earlier} if self.earlier else {})}, self.prov)
+
+    # --time-budget: estimates from the run's own earlier starts and passes (none yet: go)
+    def fits(self, seconds: float) -> bool:
+        return self.a.time_budget is None or _now() - self.t0 + seconds <= self.a.time_budget
+
+    def start_estimate(self) -> float:
+        return max((s.get("start_s") or 0.0 for s in self.starts), default=0.0)
+
+    def pass_estimate(self, w: str) -> float:
+        return PASS_MARGIN * max((p.get("seconds", 0.0) for ps in self.passes[w].values() for p in ps), default=0.0)
+
+    def warm_estimate(self, w: str) -> float:
+        seen = [s["warmups"][w] for s in self.starts if w in s.get("warmups", {})]
+        return PASS_MARGIN * max(seen) if seen else self.pass_estimate(w)
+
+    def add_start(self, var) -> None:
+        rec = {**(var.engine or {}), "contract": variant_contract(var.name),
+               "start_s": None if getattr(var, "start_s", None) is None else round(var.start_s, 1)}
+        self.engines[var.name] = rec
+        self.starts.append({"variant": var.name, "start_s": rec["start_s"], "warmups": {}})
+
+    def warm(self, var, w: str) -> None:
+        r = var.ask(f"warm {w}")
+        self.starts[self._start_of(var)]["warmups"][w] = round(r["seconds"], 2)
+
+    def _start_of(self, var) -> int:
+        return max(i for i, s in enumerate(self.starts) if s["variant"] == var.name)
+
+    def add_pass(self, var, w: str) -> None:
+        ps = self.passes[w][var.name]
+        r = var.ask(f"pass {w} {len(ps)}")
+        ps.append({"tokens_per_s": r["tokens_per_s"], "tokens": r["tokens"], "seconds": round(r["seconds"], 3),
+                   "start": self._start_of(var)})
+        print(f"{w} {var.name} pass {len(ps) - 1}: {r['tokens_per_s']:,.0f} tokens/s ({r['seconds']:.1f} s)", flush=True)
+        self.report()
+
+
+def _start(run: Run, v: str, mem: float):
+    """Start variant ``v`` (None: an optional stock the host cannot start, recorded as failed)."""
+    try:
+        var = _Variant(v, run.a, run.model_path, mem, [w for w in run.workloads if runs(v, w)])
+    except StartFailed as e:
+        if v not in OPTIONAL:
+            raise
+        run.failed[v] = str(e)[-2000:]
+        print(f"{v} did not start; left out: {str(e)[-400:]}", flush=True)
+        run.report()
+        return None
+    run.mems[v] = mem
+    run.add_start(var)
+    return var
+
+
+def one_engine_rounds(run: Run) -> bool:
+    """One engine at a time; False when the time budget stopped it."""
+    a, total = run.a, free_gib()
+    for r in range(a.repeats):
+        for v in a.variants:
+            todo = run.missing(v, r)
+            if v in run.failed or not todo:
+                continue
+            if not run.fits(run.start_estimate() + run.warm_estimate(todo[0]) + run.pass_estimate(todo[0])):
+                return False
+            var = _start(run, v, a.mem)
+            if var is None:
+                wait_gpu_free(total)
+                continue
+            try:
+                for w in todo:
+                    if not run.fits(run.warm_estimate(w) + run.pass_estimate(w)):
+                        return False
+                    run.warm(var, w)
+                    while len(run.passes[w][v]) < (r + 1) * run.per_round(w):
+                        if not run.fits(run.pass_estimate(w)):
+                            return False
+                        run.add_pass(var, w)
+                if a.trace and r == a.repeats - 1:
+                    var.ask(f"trace {var.workloads[0]} {os.path.abspath(os.path.join(a.trace, v))} {a.trace_steps}")
+            finally:
+                var.close()
+                wait_gpu_free(total)
+    return True
+
+
+def shared_gpu_rounds(run: Run) -> bool:
+    """Every engine on the GPU at once; False when the time budget stopped it."""
+    a, variants = run.a, []
+    weights_gib = sum(os.path.getsize(os.path.join(run.model_path, f)) for f in os.listdir(run.model_path)
+                      if f.endswith(".safetensors")) / 2**30
     try:
         for v in a.variants:
-            mems[v] = round(min(0.9, (weights_gb + a.kv_gb) / _free_gb()), 4)  # budget = f * free - weights
-            variants.append(_Variant(v, a, model_path, mems[v]))
-            engines[v] = _record(variants[-1])
+            var = _start(run, v, round(min(0.9, (weights_gib + a.kv_gb) / free_gib()), 4))  # budget = f * free - weights
+            variants += [var] if var else []
         for var in variants:
-            var.ask("warm")
+            for w in var.workloads:
+                run.warm(var, w)
         for r in range(a.repeats):
-            for var in variants:
-                passes[var.name].append(var.ask(f"pass {r}"))
-            report(r + 1)
+            for w in run.workloads:
+                for var in (x for x in variants if w in x.workloads):
+                    while len(run.passes[w][var.name]) < (r + 1) * run.per_round(w):
+                        if not run.fits(run.pass_estimate(w)):
+                            return False
+                        run.add_pass(var, w)
         for var in variants if a.trace else ():
-            var.ask(f"trace {os.path.abspath(os.path.join(a.trace, var.name))} {a.trace_steps}")
+            var.ask(f"trace {var.workloads[0]} {os.path.abspath(os.path.join(a.trace, var.name))} {a.trace_steps}")
     finally:
         for var in variants:
             var.close()
+    return True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--geometry", default="a3b6", help="a name of geometries.SPACE or of tiny_model.GEOMETRIES")
+    p.add_argument("--model-path")
+    p.add_argument("--make-room", action="store_true",
+                   help="remove other benchmark geometries' checkpoints from the cache when this one's does not fit")
+    p.add_argument("--workload", nargs="+", default=["plain"], choices=list(wl.WORKLOADS),
+                   help="plain, qwen (top_k 20 / top_p 0.95), tail (RL-like lengths), long (64 x 4096 new tokens)")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=512, help="new tokens of each plain / qwen request")
+    p.add_argument("--repeats", type=int, default=3, help="rounds")
+    p.add_argument("--passes", type=int, help="passes of every workload per round (default: see the docstring)")
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+    p.add_argument("--kv-gb", type=float, default=10.0, help="KV-cache budget of every engine (GiB)")
+    p.add_argument("--one-engine", action="store_true", help="one engine on the GPU at a time")
+    p.add_argument("--mem", type=float, default=0.85, help="--one-engine: mem_fraction_static of every engine")
+    p.add_argument("--out")
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    p.add_argument("--prefix-cache", choices=("cold", "warm"), default="cold",
+                   help="cold: empty the prefix cache before every pass; warm: keep it (passes time decode only)")
+    p.add_argument("--trace", metavar="DIR", help="one untimed pass per engine, SGLang's profiler on (trace_gaps.py)")
+    p.add_argument("--trace-steps", type=int, default=40)
+    p.add_argument("--resume", action="store_true", help="continue the incomplete run in --out (--one-engine)")
+    p.add_argument("--time-budget", type=float, metavar="S", help="stop before what would end after S seconds")
+    p.add_argument("--http", action="store_true", help="serve each variant over HTTP, one request per prompt")
+    p.add_argument("--generation-config", metavar="JSON", type=_generation_config,
+                   help="sampling defaults served in the checkpoint's generation_config.json, e.g. Qwen3's "
+                        "'{\"top_k\": 20, \"top_p\": 0.95}' (SGLang applies them to every request)")
+    a = p.parse_args(argv)
+    if a.resume and not (a.one_engine and a.out):
+        p.error("--resume needs --one-engine and --out")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.serve:
+        _exit_on_sigterm()
+        serve(a.serve, a.model_path, a.workload, a.prompts, a.min_prompt, a.max_prompt, a.new_tokens, a.mem,
+              cold=a.prefix_cache == "cold", http=a.http)
+        return 0
+    import geometries
+
+    from true_on_policy.harness.provenance import provenance
+
+    _exit_on_sigterm()
+    prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
+    model_path = a.model_path or geometries.ensure(a.geometry, room=a.make_room)
+    if a.generation_config:
+        model_path = with_generation_config(model_path, a.generation_config)
+    run = Run(a, model_path, prov, None if a.model_path else geometries.describe(a.geometry))
+    if a.resume and os.path.exists(a.out):
+        with open(a.out) as f:
+            prev = json.load(f)
+        why = _not_resumable(prev, run.record())
+        if why:
+            print(f"not resuming {a.out}: {why}; running it whole", flush=True)
+        else:
+            run.resume_from(prev)
+    (one_engine_rounds if a.one_engine else shared_gpu_rounds)(run)
+    run.report(show=True)
+    if not run.complete():
+        print(f"INCOMPLETE: stopped by --time-budget {a.time_budget} s; run the same command again to continue",
+              flush=True)
+        return EXIT_INCOMPLETE
     return 0
 
 
@@ -486,16 +446,6 @@ def with_generation_config(model_path: str, overrides: dict) -> str:
     return dst
 
 
-def _workload_record(a, model_path) -> dict:
-    """What a run measured, as its evidence records it (a resumed run must match it exactly)."""
-    return {"geometry": a.geometry, "model_path": model_path, "prompts": a.prompts,
-            "prompt_lengths": [a.min_prompt, a.max_prompt], "new_tokens": a.new_tokens,
-            "prefix_cache": a.prefix_cache, "client": "http" if a.http else "engine", "repeats": a.repeats,
-            "kv_gb": None if a.one_engine else a.kv_gb, "one_engine_at_a_time": a.one_engine,
-            "passes_per_start": a.passes if a.one_engine else None, "variants": list(a.variants),
-            "mem": a.mem if a.one_engine else None, "generation_config": a.generation_config}
-
-
 def _not_resumable(prev: dict, record: dict) -> str | None:
     """Why the run in ``prev`` cannot be continued by this one (None: it can): it is complete, it
     ran from another source tree or other versions, or it measured another workload."""
@@ -503,83 +453,13 @@ def _not_resumable(prev: dict, record: dict) -> str | None:
 
     if prev.get("complete"):
         return "it is complete"
+    if "results" not in prev:
+        return "it predates workloads"
     old = prev.get("provenance") or {}
     if (old.get("git"), old.get("versions")) != (provenance.git_state(), provenance.versions()):
         return "it ran from another source tree or other versions"
     diff = sorted(k for k, v in record.items() if prev.get(k) != v)
     return f"other arguments ({', '.join(diff)})" if diff else None
-
-
-def table(passes: dict, variants) -> tuple[list[dict], str | None]:
-    """Rows of the table (every pass, the median, the ratios) and the fastest stock configuration:
-    of the stock variants that ran (``FAIR_STOCK``: stock SGLang as shipped and with its prefill
-    graphs off; never the deterministic mode, which is slower by design), the one with the highest
-    median. The issue's bar is against that one, so a variant is never judged against a stock that
-    a flag would have made faster."""
-    rows = [{"variant": v, "tokens_per_s": [x["tokens_per_s"] for x in passes[v]],
-             "median": statistics.median(x["tokens_per_s"] for x in passes[v]) if passes[v] else None,
-             "tokens": [x["tokens"] for x in passes[v]]} for v in variants]
-    base = next((r["median"] for r in rows if r["variant"] == "stock"), None)
-    stocks = [r for r in rows if r["variant"] in FAIR_STOCK and r["median"]]
-    fastest = max(stocks, key=lambda r: r["median"]) if stocks else None
-    for r in rows:
-        r["ratio_vs_stock"] = r["median"] / base if base and r["median"] else None
-        r["ratio_vs_fastest_stock"] = r["median"] / fastest["median"] if fastest and r["median"] else None
-    return rows, fastest and fastest["variant"]
-
-
-def variant_contract(name: str) -> dict | None:
-    """The contract a variant runs under, with its fingerprint (None: stock SGLang, no contract)."""
-    if name in STOCK_EXTRA:
-        return None
-    from true_on_policy import DEFAULT_CONTRACT
-    from true_on_policy.contract import get_contract
-
-    c = get_contract(CONTRACTS.get(name, DEFAULT_CONTRACT))
-    return {"name": c.name, "fingerprint": c.fingerprint}
-
-
-def _record(var) -> dict:
-    """The evidence's record of one engine start: what SGLang resolved, the contract, and how long
-    it took to be ready."""
-    start = getattr(var, "start_s", None)
-    return {**(var.engine or {}), "contract": variant_contract(var.name),
-            "start_s": None if start is None else round(start, 1)}
-
-
-def _wait_gpu_free(total_gb: float, timeout_s: float = 120.0) -> None:
-    """Until the GPU's memory is free again (the last engine's processes gone), or raise."""
-    t0 = time.time()
-    while _free_gb() < 0.95 * total_gb:
-        if time.time() - t0 > timeout_s:
-            raise RuntimeError(f"GPU memory not released {timeout_s:.0f} s after an engine shut down "
-                               f"({_free_gb():.1f} of {total_gb:.1f} GiB free)")
-        time.sleep(1.0)
-
-
-def _one_engine_rounds(a, model_path, passes, mems, engines, report) -> None:
-    """Round r starts each variant in turn; a variant that already holds round r's passes (a
-    resumed run) is not started again."""
-    total = _free_gb()
-    for r in range(a.repeats):
-        for v in a.variants:
-            if len(passes[v]) >= (r + 1) * a.passes:
-                continue
-            mems[v] = a.mem
-            var = _Variant(v, a, model_path, a.mem)
-            try:
-                engines[v] = _record(var)
-                var.ask("warm")
-                for i in range(a.passes):
-                    passes[v].append(var.ask(f"pass {r * a.passes + i}"))
-                if a.trace and r == a.repeats - 1:
-                    var.ask(f"trace {os.path.abspath(os.path.join(a.trace, v))} {a.trace_steps}")
-            finally:
-                var.close()
-            _wait_gpu_free(total)
-            if v != a.variants[-1]:
-                report(r)  # a call cut short by its time limit still leaves the variants it timed
-        report(r + 1)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,172 @@
-"""CPU tier: the throughput benchmark's variant process answers warm/pass/quit and reports what
-its engine got (the engine is a stand-in; the GPU run is ``regenerate_evidence.sh bench``)."""
+"""CPU tier: the throughput benchmark without a GPU. The workload draws, the geometries' sizes and
+layer counts, the variant process's protocol (on a stand-in engine), the run's rounds, resume and
+time budget (on stand-in variant processes), the medians and ratios, and the evidence's shape. The
+GPU runs are ``regenerate_evidence.sh space`` and ``tailprofile``."""
 
 import io
 import json
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import engines  # noqa: E402
+import geometries  # noqa: E402
+import results  # noqa: E402
 import throughput  # noqa: E402
+import workloads as wl  # noqa: E402
+
+# ---------------------------------------------------------------- workloads
+
+
+def test_tail_draw_is_seeded_85_15_and_in_range():
+    lens = wl.tail_lengths(256)
+    assert lens == wl.tail_lengths(256)  # the same draw in every pass, variant and run
+    assert lens != wl.tail_lengths(256, seed=wl.TAIL_SEED + 1)
+    long = [n for n in lens if n >= wl.TAIL_LONG[0]]
+    short = [n for n in lens if n <= wl.TAIL_SHORT[1]]
+    assert len(long) == round(0.15 * 256) == 38 and len(short) == 256 - 38  # every length is one or the other
+    assert all(1024 <= n <= 2048 for n in long) and all(32 <= n <= 256 for n in short)
+    assert len(set(long)) > 20 and len(set(short)) > 100  # drawn, not constant
+    first = [i for i, n in enumerate(lens) if n >= 1024]
+    assert first != list(range(38)) and first != list(range(256 - 38, 256))  # long ones spread, not a block
+    for n in (1, 7, 20, 1000):
+        assert sum(x >= 1024 for x in wl.tail_lengths(n)) == round(0.15 * n)
+
+
+def test_workload_draws(monkeypatch):
+    vocab = 300
+    plain, qwen, tail, long = (wl.draw(w, vocab, 16, 8, 24, 5) for w in ("plain", "qwen", "tail", "long"))
+    assert plain.prompts == qwen.prompts == tail.prompts  # one prompt set, three length/sampling rules
+    assert plain.prompts == wl.draw("plain", vocab, 16, 8, 24, 5).prompts
+    assert all(8 <= len(p) <= 24 and all(0 <= t < vocab for t in p) for p in plain.prompts)
+    assert plain.new_tokens == [5] * 16 and tail.new_tokens == wl.tail_lengths(16)
+    assert len(long.prompts) == 64 and all(1024 <= len(p) <= 2048 for p in long.prompts)
+    assert long.new_tokens == [4096] * 64
+    p, q = plain.params(7000), qwen.params(7000)
+    assert [x["sampling_seed"] for x in p] == list(range(7000, 7016))
+    assert all(x["ignore_eos"] and x["temperature"] == 1.0 and "top_k" not in x for x in p)
+    assert all(x["top_k"] == 20 and x["top_p"] == 0.95 for x in q)
+    assert [x["max_new_tokens"] for x in long.params(0, cap=wl.WARM_CAP)] == [256] * 64
+    assert tail.expected_tokens(cap=100) == sum(min(n, 100) for n in tail.new_tokens) < tail.expected_tokens()
+    rec = tail.record()
+    assert rec["new_tokens"] == tail.new_tokens and rec["new_tokens_total"] == sum(tail.new_tokens)
+    assert "new_tokens" not in plain.record() and qwen.record()["sampling"] == {"temperature": 1.0, "top_k": 20,
+                                                                               "top_p": 0.95}
+    assert [wl.get(w).passes for w in ("plain", "qwen", "tail", "long")] == [3, 3, 2, 2]
+    with pytest.raises(KeyError, match="known: plain, qwen, tail, long"):
+        wl.get("mixed")
+
+
+# ---------------------------------------------------------------- geometries
+
+
+@pytest.mark.parametrize("base,layers,total_b,active_b", [
+    ("A3B", 48, 30.5, 3.3), ("A22B2", 94, 235.0, 22.0), ("A35B2", 62, 480.0, 35.0)])
+def test_parameter_counts_match_the_published_models(base, layers, total_b, active_b):
+    """Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B-A35B at their full depth: the counts the
+    model cards give (total and activated), to 2 %."""
+    s = getattr(geometries.tiny_model, base)
+    assert abs(geometries.params(s, layers) / 1e9 - total_b) / total_b < 0.02
+    assert abs(geometries.active_params(s, layers) / 1e9 - active_b) / active_b < 0.02
+
+
+@pytest.mark.parametrize("name", ["embedded", "wide"])
+def test_parameter_count_is_transformers_own(name):
+    """The formula counts what transformers builds (on the meta device: no memory)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    s = dict(geometries.spec(name))
+    s.pop("seed")
+    with torch.device("meta"):
+        m = Qwen3MoeForCausalLM(Qwen3MoeConfig(**s, tie_word_embeddings=False, decoder_sparse_step=1,
+                                               mlp_only_layers=[]))
+    assert sum(p.numel() for p in m.parameters()) == geometries.params(s)
+
+
+def _hbm_and_ram(s, layers, b):
+    w = 2 * geometries.params(s, layers)
+    kv = geometries.kv_bytes_per_token(s, layers) * b.kv_tokens
+    return w + kv <= b.mem_fraction * b.hbm_gib * 2**30 and w <= (b.ram_gib - b.ram_reserve_gib) * 2**30
+
+
+@pytest.mark.parametrize("base", ["A22B2", "A35B2", "A3B"])
+def test_fit_layers_is_the_most_that_fit(base):
+    s, b = getattr(geometries.tiny_model, base), geometries.H200
+    n = geometries.fit_layers(s)
+    assert _hbm_and_ram(s, n, b) and not _hbm_and_ram(s, n + 1, b)
+    assert geometries.fit_layers(s, geometries.Budget(ram_gib=64.0)) < n  # a smaller /dev/shm: fewer layers
+    with pytest.raises(ValueError, match="not one layer"):
+        geometries.fit_layers(s, geometries.Budget(hbm_gib=1.0))
+
+
+def test_the_space_geometries():
+    t, sp = geometries.tiny_model, geometries.SPACE
+    assert sp["a3b48"] == t.A3B48
+    assert sp["a22b_h200"]["num_hidden_layers"] == geometries.fit_layers(t.A22B2) == 21
+    assert sp["a35b_h200"]["num_hidden_layers"] == geometries.fit_layers(t.A35B2) == 6
+    shape = ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    for name in ("a22b_h200", "a35b_h200"):  # the published layer shape, only the depth (and seed) changed
+        base = t.A22B2 if name.startswith("a22b") else t.A35B2
+        assert {k: v for k, v in sp[name].items() if base[k] != v}.keys() <= {"num_hidden_layers", "seed"}
+    theirs = [t.A3B, t.A22B2, t.A35B2]
+    for name in ("h3072e64k4", "h1536e256k6"):  # ours: unlike all three in every listed attribute
+        for k in (*shape, "num_attention_heads", "num_key_value_heads"):
+            assert all(sp[name][k] != o[k] for o in theirs), (name, k)
+        assert sp[name]["num_attention_heads"] % sp[name]["num_key_value_heads"] == 0
+        assert geometries.checkpoint_bytes(sp[name]) < 40 * 2**30
+    assert len({json.dumps(s, sort_keys=True) for s in sp.values()}) == len(sp)
+    assert len({s["seed"] for s in sp.values()}) == len(sp)
+    with pytest.raises(KeyError, match="known: a3b48, a22b_h200"):
+        geometries.spec("a22b94")
+
+
+def test_ensure_needs_room_and_makes_it_only_from_other_benchmark_checkpoints(monkeypatch, tmp_path):
+    monkeypatch.setenv(geometries.tiny_model.env.CACHE_DIR.name, str(tmp_path))
+    other = geometries.folder("h1536e256k6")
+    stranger = tmp_path / "qwen3-moe-embedded-abc"
+    for d in (other, stranger):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    free = {"bytes": 10 * 2**30}
+    monkeypatch.setattr(geometries, "_free_bytes", lambda p: free["bytes"] + (0 if other.exists() else 40 * 2**30))
+    with pytest.raises(RuntimeError, match=r"h3072e64k4: a 30\.9 GiB checkpoint does not fit .* \(10\.0 GiB free\)"):
+        geometries.ensure("h3072e64k4")
+    assert other.exists()
+    built = []
+    monkeypatch.setattr(geometries.tiny_model, "build", lambda folder, spec: (
+        built.append(spec), (folder / "config.json").write_text("{}"), (folder / "model.safetensors").write_bytes(b"")))
+    path = geometries.ensure("h3072e64k4", room=True)
+    assert not other.exists() and stranger.exists()  # only the other benchmark geometry's checkpoint went
+    assert built == [geometries.SPACE["h3072e64k4"]] and Path(path) == geometries.folder("h3072e64k4")
+    assert json.loads((Path(path) / "true_on_policy_geometry.json").read_text())["hidden_size"] == 3072
+    assert geometries.ensure("h3072e64k4") == path and len(built) == 1  # built once
+
+
+# ---------------------------------------------------------------- the variant process
 
 
 class _Eng:
-    def __init__(self, flush_ok=(True,)):
-        self.shut = False
-        self.calls = []  # "flush" / "generate", in order
-        self.flush_ok = list(flush_ok)
+    def __init__(self, flush_ok=(True,), short=0):
+        self.shut, self.calls, self.flush_ok, self.short = False, [], list(flush_ok), short
+        self.params = []
 
     def flush_cache(self):
         self.calls.append("flush")
         return type("FlushCacheReqOutput", (), {"success": self.flush_ok.pop(0) if self.flush_ok else True})()
 
     def get_server_info(self):
-        return {"max_total_num_tokens": 123456, "cuda_graph_max_bs": 256, "chunked_prefill_size": 8192,
-                "max_running_requests": 2048, "unrelated": "x"}
+        return {"max_total_num_tokens": 123456, "cuda_graph_max_bs": 256, "unrelated": "x"}
 
     def generate(self, input_ids, sampling_params, return_logprob):
         self.calls.append("generate")
-        return [{"meta_info": {"completion_tokens": p["max_new_tokens"]}} for p in sampling_params]
+        self.params.append(sampling_params)
+        return [{"meta_info": {"completion_tokens": p["max_new_tokens"] - self.short}} for p in sampling_params]
 
     def start_profile(self, **req):
         self.calls.append(("profile", req["output_dir"], req["num_steps"]))
@@ -37,76 +175,66 @@ class _Eng:
         self.shut = True
 
 
-def _serve(monkeypatch, tmp_path, capsys, name, commands, **kw):
-    """The variant process ``serve`` on a stand-in engine, fed ``commands`` on stdin; returns the
-    engine and the RESULT lines it printed."""
+def _serve(monkeypatch, tmp_path, capsys, name, commands, names=("plain",), eng=None, **kw):
+    """``serve`` on a stand-in engine, fed ``commands``; returns the engine and its RESULT lines."""
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
-    eng = _Eng()
-    monkeypatch.setattr(throughput, "_engine", lambda name, path, mem: eng)
+    eng = eng or _Eng()
+    monkeypatch.setattr(throughput, "start_engine", lambda name, path, mem: eng)
     monkeypatch.setattr(sys, "stdin", io.StringIO(commands))
-    throughput.serve(name, str(tmp_path), 4, 8, 16, 5, 0.5, **kw)
+    throughput.serve(name, str(tmp_path), list(names), 4, 8, 16, 5, 0.5, **kw)
     lines = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
     return eng, lines
 
 
-def test_variant_process_reports_engine_and_passes(monkeypatch, tmp_path, capsys):
-    eng, lines = _serve(monkeypatch, tmp_path, capsys, "tpo", "warm\npass 0\nquit\n")
-    assert lines[0]["ready"] == "tpo" and lines[0]["engine"]["max_total_num_tokens"] == 123456
-    assert set(lines[0]["engine"]) == set(throughput.ENGINE_KEYS)
-    assert [x["cmd"] for x in lines[1:]] == [["warm"], ["pass", "0"]] and all(x["tokens"] == 20 for x in lines[1:])
-    assert eng.shut
-    assert eng.calls == ["flush", "generate", "flush", "generate"]  # cold (the default): every pass computes its prompts
+def test_variant_process_runs_each_workload_it_is_asked(monkeypatch, tmp_path, capsys):
+    eng, lines = _serve(monkeypatch, tmp_path, capsys, "tpo", "warm tail\npass tail 0\npass qwen 1\nquit\n",
+                        names=("tail", "qwen"))
+    assert lines[0]["ready"] == "tpo" and set(lines[0]["engine"]) == set(engines.ENGINE_KEYS)
+    tail = wl.tail_lengths(4)
+    assert [x["cmd"] for x in lines[1:]] == [["warm", "tail"], ["pass", "tail", "0"], ["pass", "qwen", "1"]]
+    assert [x["tokens"] for x in lines[1:]] == [sum(min(n, wl.WARM_CAP) for n in tail), sum(tail), 20]
+    assert [p["max_new_tokens"] for p in eng.params[1]] == tail and eng.params[2][0]["top_k"] == 20
+    assert eng.params[1][0]["sampling_seed"] == 7000 and eng.params[2][0]["sampling_seed"] == 8000
+    assert eng.shut and eng.calls == ["flush", "generate"] * 3  # cold: every pass computes its prompts
 
 
-def test_warm_prefix_cache_never_flushes_and_a_failed_flush_is_retried_then_raises(monkeypatch, tmp_path, capsys):
-    warm, _ = _serve(monkeypatch, tmp_path, capsys, "stock", "warm\npass 0\nquit\n", cold=False)
-    assert warm.calls == ["generate", "generate"]
-    monkeypatch.setattr(throughput.time, "sleep", lambda s: None)
+def test_a_pass_that_generates_other_lengths_than_drawn_is_an_error(monkeypatch, tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="completion tokens"):
+        _serve(monkeypatch, tmp_path, capsys, "stock", "pass plain 0\nquit\n", eng=_Eng(short=1))
+    eng, lines = _serve(monkeypatch, tmp_path, capsys, "stock", "warm plain\npass plain 0\nquit\n", cold=False)
+    assert eng.calls == ["generate", "generate"]  # warm prefix cache: never flushed
+
+
+def test_an_engine_that_does_not_start_is_reported(monkeypatch, tmp_path, capsys):
+    def boom(name, path, mem):
+        raise RuntimeError("flashinfer is not installed")
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    monkeypatch.setattr(throughput, "start_engine", boom)
+    throughput.serve("stock_fi", str(tmp_path), ["qwen"], 4, 8, 16, 5, 0.5)
+    assert json.loads(capsys.readouterr().out.split("RESULT ", 1)[1]) == {
+        "error": "RuntimeError: flashinfer is not installed"}
+
+
+def test_flush_is_retried_then_raises(monkeypatch):
+    monkeypatch.setattr(engines.time, "sleep", lambda s: None)
     busy = _Eng(flush_ok=(False, False, True))  # SGLang refuses while a request is in flight
-    throughput._flush(busy)
+    engines.flush(busy)
     assert busy.calls == ["flush"] * 3
-    never = _Eng(flush_ok=(False,) * 5)
     with pytest.raises(RuntimeError, match="flush_cache did not succeed"):
-        throughput._flush(never, tries=5)
+        engines.flush(_Eng(flush_ok=(False,) * 5), tries=5)
 
 
-def _one_engine_stand_ins(monkeypatch) -> list:
-    """Variant processes that answer every command at once, a GPU that is always free; returns
-    the (variant, command word) list the stand-ins are asked, in order."""
-    asked = []
-
-    class _V:
-        def __init__(self, name, a, path, mem):
-            self.name, self.engine = name, {"v": name}
-
-        def ask(self, cmd):
-            asked.append((self.name, cmd.split()[0]))
-            return {"tokens_per_s": 1.0, "tokens": 1}
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(throughput, "_Variant", _V)
-    monkeypatch.setattr(throughput, "_free_gb", lambda: 100.0)
-    monkeypatch.setattr(throughput, "_wait_gpu_free", lambda total: None)
-    return asked
+def test_trace_command_profiles_one_untimed_pass(monkeypatch, tmp_path, capsys):
+    eng, lines = _serve(monkeypatch, tmp_path, capsys, "tpo", "pass plain 0\ntrace plain /t/tpo 40\nquit\n")
+    assert eng.calls == ["flush", "generate", ("profile", "/t/tpo", 40), "flush", "generate"]
+    assert lines[-1]["cmd"] == ["trace", "plain", "/t/tpo", "40"]
 
 
-def test_one_engine_rounds_report_after_every_variant(monkeypatch):
-    """--one-engine: the evidence is rewritten after each variant, not only after each round, so a
-    call cut short by its time limit keeps the variants it timed (marked incomplete)."""
-    from types import SimpleNamespace
-
-    _one_engine_stand_ins(monkeypatch)
-    a = SimpleNamespace(repeats=2, variants=["stock", "deterministic", "tpo"], passes=3, mem=0.85, trace=None)
-    passes, seen = {v: [] for v in a.variants}, []
-    throughput._one_engine_rounds(a, "m", passes, {}, {}, lambda done: seen.append((done, [len(passes[v]) for v in a.variants])))
-    assert seen == [(0, [3, 0, 0]), (0, [3, 3, 0]), (1, [3, 3, 3]), (1, [6, 3, 3]), (1, [6, 6, 3]), (2, [6, 6, 6])]
+# ---------------------------------------------------------------- variants and engines
 
 
 def test_stock_variants_differ_only_in_their_named_argument(monkeypatch):
-    """Every stock variant is triton attention + pytorch sampling; "deterministic" adds SGLang's
-    deterministic mode and "stock_eager_prefill" turns its prefill CUDA graphs off, nothing else."""
     import sglang
 
     from true_on_policy import env
@@ -114,21 +242,27 @@ def test_stock_variants_differ_only_in_their_named_argument(monkeypatch):
     seen = {}
     monkeypatch.setattr(sglang, "Engine", lambda **kw: kw)
     monkeypatch.setattr(env, "disable_overlay", lambda: None)
-    for name in throughput.STOCK_EXTRA:
-        seen[name] = throughput._engine(name, "/m", 0.5)
+    for name in engines.STOCK_EXTRA:
+        seen[name] = engines.start_engine(name, "/m", 0.5)
     base = seen["stock"]
     assert base["attention_backend"] == "triton" and base["sampling_backend"] == "pytorch"
-    assert {k: v for k, v in seen["deterministic"].items() if base.get(k) != v} == {"enable_deterministic_inference": True}
-    assert {k: v for k, v in seen["stock_eager_prefill"].items() if base.get(k) != v} == {
-        "cuda_graph_backend_prefill": "disabled"}
-    assert "stock_eager_prefill" in throughput.VARIANTS
+
+    def diff(name):
+        return {k: seen[name].get(k) for k in set(base) | set(seen[name]) if base.get(k) != seen[name].get(k)}
+
+    assert diff("deterministic") == {"enable_deterministic_inference": True}
+    assert diff("stock_eager_prefill") == {"cuda_graph_backend_prefill": "disabled"}
+    assert diff("stock_fi") == {"sampling_backend": "flashinfer"}
+    assert diff("stock_auto") == {"attention_backend": None, "sampling_backend": None}  # SGLang's own choice
+    assert set(engines.FAIR_STOCK) == set(engines.STOCK_EXTRA) - {"deterministic"}
+    assert engines.runs("stock_fi", "qwen") and not engines.runs("stock_fi", "tail") and engines.runs("tpo", "long")
 
 
-def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt(monkeypatch, tmp_path):
-    """--http: tpo variants start ``launch.server --true-on-policy`` (the flat one with its
-    contract), stock ones ``sglang.launch_server`` with the Engine's flags and no overlay in their
-    environment; a pass posts every prompt as its own /generate request, concurrently; the cache
-    is emptied through /flush_cache (a refusal reads as not flushed). A local stand-in answers."""
+def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt(monkeypatch):
+    """--http: tpo variants start ``launch.server --true-on-policy`` (with their contract), stock
+    ones ``sglang.launch_server`` with the Engine's flags and no overlay in their environment; a
+    pass posts every prompt as its own /generate request; the cache is emptied through
+    /flush_cache (a refusal reads as not flushed). A local stand-in answers."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -169,19 +303,15 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
         def wait(self, timeout=None):
             return 0
 
-    def popen(cmd, **kw):
-        cmds.append((cmd, kw["env"]))
-        return _Proc()
-
-    monkeypatch.setattr(throughput.subprocess, "Popen", popen)
-    monkeypatch.setattr(throughput.os, "killpg", lambda pid, sig: None)
+    monkeypatch.setattr(engines.subprocess, "Popen", lambda cmd, **kw: cmds.append((cmd, kw["env"])) or _Proc())
+    monkeypatch.setattr(engines.os, "killpg", lambda pid, sig: None)
     from true_on_policy import env
 
     monkeypatch.setenv(env.ENABLED.name, "1")  # the caller's shell has the overlay on
     try:
         port = srv.server_address[1]
-        for name in ("tpo_flat", "deterministic"):
-            eng = throughput.HttpEngine(name, "/m", 0.5, port=port)
+        for name in ("tpo_flat", "deterministic", "stock_fi"):
+            eng = engines.HttpEngine(name, "/m", 0.5, port=port)
             if name == "tpo_flat":
                 outs = eng.generate([[1, 2], [3], [4, 5, 6]], [{"max_new_tokens": n} for n in (2, 3, 4)], True)
                 assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3, 4]
@@ -191,146 +321,228 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
             eng.shutdown()
     finally:
         srv.shutdown()
-    (tpo_cmd, _), (stock_cmd, stock_env) = cmds
+    (tpo_cmd, _), (det_cmd, det_env), (fi_cmd, _) = cmds
     assert tpo_cmd[1:5] == ["-m", "launch.server", "--true-on-policy", "--true-on-policy-contract"]
-    assert tpo_cmd[5] == throughput.FLAT and tpo_cmd[tpo_cmd.index("--port") + 1] == str(port)
-    assert stock_cmd[1:3] == ["-m", "sglang.launch_server"] and "--enable-deterministic-inference" in stock_cmd
-    assert stock_cmd[stock_cmd.index("--attention-backend") + 1] == "triton"
-    assert env.ENABLED.name not in stock_env
-    assert throughput._flags({"cuda_graph_backend_prefill": "disabled", "x_y": True}) == [
+    assert tpo_cmd[5] == engines.FLAT and tpo_cmd[tpo_cmd.index("--port") + 1] == str(port)
+    assert det_cmd[1:3] == ["-m", "sglang.launch_server"] and "--enable-deterministic-inference" in det_cmd
+    assert det_cmd[det_cmd.index("--attention-backend") + 1] == "triton" and env.ENABLED.name not in det_env
+    assert fi_cmd.count("--sampling-backend") == 1 and fi_cmd[fi_cmd.index("--sampling-backend") + 1] == "flashinfer"
+    assert engines.cli_flags({"cuda_graph_backend_prefill": "disabled", "x_y": True}) == [
         "--cuda-graph-backend-prefill", "disabled", "--x-y"]
 
 
-def test_trace_command_profiles_one_untimed_pass(monkeypatch, tmp_path, capsys):
-    eng, lines = _serve(monkeypatch, tmp_path, capsys, "tpo", "pass 0\ntrace /t/tpo 40\nquit\n")
-    assert eng.calls == ["flush", "generate", ("profile", "/t/tpo", 40), "flush", "generate"]
-    assert lines[-1]["cmd"] == ["trace", "/t/tpo", "40"]
+def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch):
+    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy.rollout import engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "TrueOnPolicyEngine", lambda **kw: kw)
+    popen = []
+    monkeypatch.setattr(engines.subprocess, "Popen", lambda cmd, **kw: popen.append(cmd) or None)
+    monkeypatch.setattr(engines.HttpEngine, "_wait_up", lambda self, t: None)
+    for name in (v for v in throughput.VARIANTS if v not in engines.STOCK_EXTRA):
+        want = engines.variant_contract(name)["name"]
+        assert want == engines.CONTRACTS.get(name, DEFAULT_CONTRACT)
+        assert engines.start_engine(name, "/m", 0.5).get("contract", DEFAULT_CONTRACT) == want
+        engines.HttpEngine(name, "/m", 0.5, port=1)
+        cmd = popen[-1]
+        got = cmd[cmd.index("--true-on-policy-contract") + 1] if "--true-on-policy-contract" in cmd else DEFAULT_CONTRACT
+        assert got == want, (name, cmd)
+    assert {"tpo_pg", "tpo_flat_pg", "stock_fi"}.isdisjoint(throughput.DEFAULT_VARIANTS)
+    assert engines.variant_contract("stock_fi") is None
 
 
-def test_trace_gaps_counts_busy_idle_and_long_gaps(tmp_path):
-    import gzip
-
-    import trace_gaps
-
-    ev = [{"ph": "X", "cat": "kernel", "ts": t, "dur": d} for t, d in ((0, 10), (5, 10), (30, 5), (100, 50))]
-    ev += [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1000}, {"ph": "X", "cat": "gpu_memcpy", "ts": 150, "dur": 10}]
-    r = trace_gaps.analyse(trace_gaps.gpu_intervals({"traceEvents": ev}), gap_us=20)
-    # busy: [0,15] + [30,35] + [100,150] + [150,160] = 15 + 5 + 60; window 160; gaps 15 and 65
-    assert r["gpu_events"] == 5 and r["window_ms"] == 0.16 and abs(r["busy_ms"] - 0.08) < 1e-12
-    assert r["gaps_over_threshold"] == 1 and r["longest_gaps_us"] == [65.0]
-    d = tmp_path / "stock"
-    d.mkdir()
-    with gzip.open(d / "1-TP-0.trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": ev}, f)
-    rows = trace_gaps.run(str(tmp_path), 20)
-    assert rows["stock"]["stock/1-TP-0.trace.json.gz"] == r
-    assert trace_gaps.analyse([]) == {"gpu_events": 0}
+# ---------------------------------------------------------------- medians and ratios
 
 
-def test_one_engine_rounds_trace_each_variant_once_after_its_last_timed_pass(monkeypatch):
-    from types import SimpleNamespace
-
-    asked = _one_engine_stand_ins(monkeypatch)
-    a = SimpleNamespace(repeats=2, variants=["stock", "tpo"], passes=1, mem=0.85, trace="/t", trace_steps=5)
-    throughput._one_engine_rounds(a, "m", {v: [] for v in a.variants}, {}, {}, lambda done: None)
-    assert asked == [("stock", "warm"), ("stock", "pass"), ("tpo", "warm"), ("tpo", "pass"),
-                     ("stock", "warm"), ("stock", "pass"), ("stock", "trace"),
-                     ("tpo", "warm"), ("tpo", "pass"), ("tpo", "trace")]
+def _p(*tps):
+    return [{"tokens_per_s": x, "tokens": 100, "seconds": 100 / x, "start": 0} for x in tps]
 
 
-def test_ratios_are_taken_against_the_faster_stock_and_never_the_deterministic_mode():
-    def p(*tps):
-        return [{"tokens_per_s": x, "tokens": 100} for x in tps]
+def test_each_workload_is_judged_against_its_fastest_stock_never_the_deterministic_mode():
+    names = ["stock", "deterministic", "stock_fi", "tpo", "tpo_v1", "stock_eager_prefill"]
+    passes = {"plain": {"stock": _p(40.0, 36.0, 38.0), "deterministic": _p(90.0, 90.0, 90.0), "tpo": _p(45.0, 44.0, 46.0),
+                        "tpo_v1": _p(30.0, 31.0), "stock_eager_prefill": _p(50.0, 49.0, 51.0)},
+              "qwen": {"stock": _p(30.0, 30.0, 30.0), "stock_fi": _p(35.0, 36.0, 34.0), "tpo": _p(28.0, 33.0, 29.0),
+                       "tpo_v1": _p(), "stock_eager_prefill": _p(20.0, 20.0, 20.0), "deterministic": _p(99.0)}}
+    res = results.summarize(passes, names, ["plain", "qwen"])
+    plain = {r["variant"]: r for r in res["plain"]["rows"]}
+    qwen = {r["variant"]: r for r in res["qwen"]["rows"]}
+    assert res["plain"]["fastest_stock"] == "stock_eager_prefill" and res["qwen"]["fastest_stock"] == "stock_fi"
+    assert "stock_fi" not in plain  # not run on plain: no row, not "not run"
+    assert plain["tpo"]["median"] == 45.0 and plain["tpo_v1"]["median"] == 30.5  # the median of two is their mean
+    assert plain["tpo"]["ratio_vs_stock"] == 45.0 / 38.0 and plain["tpo"]["ratio_vs_fastest_stock"] == 45.0 / 50.0
+    assert qwen["tpo"]["ratio_vs_fastest_stock"] == 29.0 / 35.0 and qwen["tpo"]["ratio_vs_stock"] == 29.0 / 30.0
+    assert qwen["tpo_v1"]["median"] is None and qwen["tpo_v1"]["ratio_vs_fastest_stock"] is None
+    assert plain["tpo"]["passes"] == passes["plain"]["tpo"] and plain["tpo"]["tokens_per_s"] == [45.0, 44.0, 46.0]
+    text = results.markdown(res, names)
+    assert "| tpo | 45 (0.90x) | 29 (0.83x) |" in text and "| stock_fi | – | 35 (1.00x) |" in text
+    assert "| fastest stock | stock_eager_prefill | stock_fi |" in text and "| tpo_v1 | 30 (0.61x) | not run |" in text
+    passes["plain"]["stock_eager_prefill"] = []  # not run yet (a run cut short): the stock that ran is the bar
+    res = results.summarize(passes, names, ["plain"])
+    assert res["plain"]["fastest_stock"] == "stock" and res["plain"]["rows"][2]["ratio_vs_fastest_stock"] == 45.0 / 38.0
 
-    names = ["stock", "deterministic", "tpo_flat", "stock_eager_prefill"]
-    passes = {"stock": p(40.0, 36.0, 38.0), "deterministic": p(90.0, 90.0, 90.0), "tpo_flat": p(45.0, 44.0, 46.0),
-              "stock_eager_prefill": p(50.0, 49.0, 51.0)}
-    rows, fastest = throughput.table(passes, names)
-    by = {r["variant"]: r for r in rows}
-    assert fastest == "stock_eager_prefill"
-    assert by["tpo_flat"]["median"] == 45.0
-    assert by["tpo_flat"]["ratio_vs_stock"] == 45.0 / 38.0
-    assert by["tpo_flat"]["ratio_vs_fastest_stock"] == 45.0 / 50.0
-    passes["stock_eager_prefill"] = []  # not run yet (a run cut short): the one stock that ran is the bar
-    rows, fastest = throughput.table(passes, names)
-    assert fastest == "stock" and rows[2]["ratio_vs_fastest_stock"] == 45.0 / 38.0
-    assert rows[3]["median"] is None and rows[3]["ratio_vs_fastest_stock"] is None
+
+# ---------------------------------------------------------------- whole runs on stand-in variant processes
 
 
-def _main_stand_ins(monkeypatch, tmp_path, cut_after=None):
-    """main() with stand-in variants (as _one_engine_stand_ins) on a stand-in checkpoint; the
-    ``cut_after``-th engine start raises, as a device call's time limit cuts a run."""
-    from true_on_policy.harness import tiny_model
-
+def _stand_ins(monkeypatch, tmp_path, cut_after=None, fail=(), seconds=1.0):
+    """main() on a stand-in checkpoint with stand-in variant processes (each pass takes ``seconds``
+    on a stand-in clock; the ``cut_after``-th start raises as a time limit does; a variant in
+    ``fail`` does not start). Returns the (variant, command) list asked and the starts."""
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"vocab_size": 300}))
     (model / "w.safetensors").write_bytes(b"0" * 1024)
-    monkeypatch.setattr(tiny_model, "ensure", lambda geometry: str(model))
-    asked = _one_engine_stand_ins(monkeypatch)
-    starts = []
-    cls = throughput._Variant
+    monkeypatch.setattr(geometries, "ensure", lambda name, room=False: str(model))
+    monkeypatch.setattr(throughput, "free_gib", lambda: 100.0)
+    monkeypatch.setattr(throughput, "wait_gpu_free", lambda total: None)
+    clock = {"t": 0.0}
+    monkeypatch.setattr(throughput, "_now", lambda: clock["t"])
+    asked, starts = [], []
 
-    class _Cut(cls):
-        def __init__(self, name, a, path, mem):
+    class _V:
+        def __init__(self, name, a, path, mem, names):
             starts.append(name)
             if cut_after is not None and len(starts) > cut_after:
                 raise KeyboardInterrupt("the call's time limit")
-            super().__init__(name, a, path, mem)
-            self.n, self.start_s = 0, 12.34
+            if name in fail:
+                raise throughput.StartFailed(f"{name}: no flashinfer")
+            clock["t"] += 10.0
+            self.name, self.workloads, self.engine, self.start_s, self.n = name, list(names), {"v": name}, 10.0, 0
 
         def ask(self, cmd):
-            super().ask(cmd)
+            asked.append((self.name, cmd))
             self.n += 1
-            return {"tokens_per_s": 100.0 * len(starts) + self.n, "tokens": 7}
+            clock["t"] += seconds
+            return {"tokens_per_s": 100.0 * len(starts) + self.n, "tokens": 7, "seconds": seconds}
 
-    monkeypatch.setattr(throughput, "_Variant", _Cut)
-    return asked, starts
+        def close(self):
+            pass
+
+    monkeypatch.setattr(throughput, "_Variant", _V)
+    return asked, starts, clock
 
 
-def test_resume_continues_a_cut_run_with_only_its_missing_variants_and_lists_every_start(monkeypatch, tmp_path):
+SPACE_ARGS = ["--geometry", "h3072e64k4", "--one-engine", "--repeats", "1", "--workload", "plain", "qwen", "tail",
+              "long", "--variants", "stock", "stock_fi", "tpo", "tpo_v1", "--prompts", "8", "--min-prompt", "4",
+              "--max-prompt", "9", "--new-tokens", "6"]
+
+
+def test_a_space_run_writes_every_workload_pass_median_and_ratio(monkeypatch, tmp_path):
+    out = tmp_path / "t.json"
+    asked, starts, _ = _stand_ins(monkeypatch, tmp_path)
+    assert throughput.main([*SPACE_ARGS, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert starts == ["stock", "stock_fi", "tpo", "tpo_v1"]  # one start each, variants in turn
+    assert [c for v, c in asked if v == "stock_fi"] == ["warm qwen", "pass qwen 0", "pass qwen 1", "pass qwen 2"]
+    assert [c for v, c in asked if v == "tpo"][:4] == ["warm plain", "pass plain 0", "pass plain 1", "pass plain 2"]
+    assert d["complete"] and set(d["results"]) == {"plain", "qwen", "tail", "long"}
+    counts = {w: {r["variant"]: len(r["passes"]) for r in d["results"][w]["rows"]} for w in d["results"]}
+    assert counts["qwen"] == {"stock": 3, "stock_fi": 3, "tpo": 3, "tpo_v1": 3}
+    assert counts["tail"] == counts["long"] == {"stock": 2, "tpo": 2, "tpo_v1": 2}
+    assert d["results"]["qwen"]["fastest_stock"] == "stock_fi"  # started second: its stand-in passes are faster
+    for res in d["results"].values():
+        fastest = {r["variant"]: r["median"] for r in res["rows"]}[res["fastest_stock"]]
+        for r in res["rows"]:
+            assert r["median"] == statistics.median(r["tokens_per_s"]) and r["tokens_per_s"] == [
+                p["tokens_per_s"] for p in r["passes"]]
+            assert r["ratio_vs_fastest_stock"] == r["median"] / fastest
+            assert all(set(p) == {"tokens_per_s", "tokens", "seconds", "start"} for p in r["passes"])
+    tail = d["workloads"]["tail"]
+    assert tail["new_tokens"] == wl.tail_lengths(8) and tail["passes_per_round"] == 2
+    assert d["workloads"]["qwen"]["sampling"]["top_k"] == 20 and d["workloads"]["long"]["requests"] == 64
+    assert d["geometry_record"]["spec"]["hidden_size"] == 3072 and d["geometry"] == "h3072e64k4"
+    assert [s["variant"] for s in d["starts"]] == starts and set(d["starts"][0]["warmups"]) == set(wl.WORKLOADS)
+    assert list(d["starts"][1]["warmups"]) == ["qwen"]
+    assert d["engines"]["tpo_v1"]["contract"]["name"] == "qwen3_moe_true_on_policy_v1"
+    assert d["engines"]["stock_fi"]["contract"] is None and d["failed"] == {}
+    assert d["table"].startswith("| variant | plain | qwen | tail | long |") and "provenance" in d
+
+
+def test_an_optional_stock_that_does_not_start_is_recorded_and_left_out(monkeypatch, tmp_path):
+    out = tmp_path / "t.json"
+    _stand_ins(monkeypatch, tmp_path, fail=("stock_fi",))
+    assert throughput.main([*SPACE_ARGS, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["complete"] and "no flashinfer" in d["failed"]["stock_fi"] and d["results"]["qwen"]["fastest_stock"] == "stock"
+    _stand_ins(monkeypatch, tmp_path, fail=("tpo",))
+    with pytest.raises(throughput.StartFailed):  # the overlay not starting is never left out
+        throughput.main([*SPACE_ARGS, "--out", str(out)])
+
+
+def test_the_time_budget_stops_between_passes_and_resume_finishes_the_run(monkeypatch, tmp_path):
+    """Each stand-in start takes 10 s and each pass 30 s: a budget of 200 s stops before what
+    would end past it (exit 3); each call with --resume runs the next passes, none twice."""
+    out = tmp_path / "t.json"
+    args = [*SPACE_ARGS, "--resume", "--time-budget", "200", "--out", str(out)]
+    calls, total = 0, []
+    while True:
+        asked, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=30.0)
+        rc = throughput.main(args)
+        calls += 1
+        assert clock["t"] <= 200.0
+        total += [(v, c) for v, c in asked if c.startswith("pass")]
+        if rc == 0:
+            break
+        assert rc == throughput.EXIT_INCOMPLETE and not json.loads(out.read_text())["complete"]
+        assert calls < 12
+    d = json.loads(out.read_text())
+    assert d["complete"] and calls > 2 and len(d["resumed_from"]) == calls - 1
+    assert len(total) == len(set(total)) == 3 * (3 + 3 + 2 + 2) + 3  # every pass once, none repeated
+    starts_of = {p["start"] for r in d["results"]["long"]["rows"] for p in r["passes"]}
+    assert len(starts_of) >= 2 and len(d["starts"]) > 4  # resumed variants started again
+
+
+def test_resume_continues_a_cut_run_and_refuses_another(monkeypatch, tmp_path):
     out = tmp_path / "t.json"
     args = ["--one-engine", "--repeats", "1", "--passes", "2", "--variants", "stock", "tpo_v1", "tpo",
             "--out", str(out)]
-    _, starts = _main_stand_ins(monkeypatch, tmp_path, cut_after=1)
+    _stand_ins(monkeypatch, tmp_path, cut_after=1)
     with pytest.raises(KeyboardInterrupt):
         throughput.main(args)
     first = json.loads(out.read_text())
-    assert not first["complete"] and [len(r["tokens_per_s"]) for r in first["rows"]] == [2, 0, 0]
-    _, starts = _main_stand_ins(monkeypatch, tmp_path)
+    assert not first["complete"] and [len(r["passes"]) for r in first["results"]["plain"]["rows"]] == [2, 0, 0]
+    _, starts, _ = _stand_ins(monkeypatch, tmp_path)
     throughput.main([*args, "--resume"])
     done = json.loads(out.read_text())
     assert starts == ["tpo_v1", "tpo"]  # stock is not started again
-    assert done["complete"] and [len(r["tokens_per_s"]) for r in done["rows"]] == [2, 2, 2]
-    assert done["rows"][0]["tokens_per_s"] == first["rows"][0]["tokens_per_s"]
+    assert done["complete"] and done["results"]["plain"]["rows"][0]["passes"] == first["results"]["plain"]["rows"][0]["passes"]
     assert done["resumed_from"] == [first["provenance"]]
     from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
 
-    main_c, v1_c = (get_contract(n) for n in (DEFAULT_CONTRACT, "qwen3_moe_true_on_policy_v1"))
-    # what it resolved, the contract it ran under (tpo: the default, the flat one), and its start time
-    assert done["engines"]["tpo"] == {"v": "tpo", "start_s": 12.3,
+    main_c = get_contract(DEFAULT_CONTRACT)
+    assert done["engines"]["tpo"] == {"v": "tpo", "start_s": 10.0,
                                       "contract": {"name": main_c.name, "fingerprint": main_c.fingerprint}}
-    assert main_c.name == throughput.FLAT
-    assert done["engines"]["tpo_v1"]["contract"] == {"name": v1_c.name, "fingerprint": v1_c.fingerprint}
-    assert done["engines"]["stock"]["contract"] is None and main_c.fingerprint != v1_c.fingerprint
-    # a complete run, or one of other arguments, is run whole again, never merged
-    _, starts = _main_stand_ins(monkeypatch, tmp_path)
+    _, starts, _ = _stand_ins(monkeypatch, tmp_path)  # complete: run whole again, never merged
     throughput.main([*args, "--resume"])
     assert starts == ["stock", "tpo_v1", "tpo"] and "resumed_from" not in json.loads(out.read_text())
-
-
-def test_resume_refuses_another_workload_and_needs_one_engine_and_out(monkeypatch, tmp_path):
-    out = tmp_path / "t.json"
-    args = ["--one-engine", "--repeats", "1", "--passes", "1", "--variants", "stock", "tpo", "--out", str(out)]
-    _main_stand_ins(monkeypatch, tmp_path, cut_after=1)
-    with pytest.raises(KeyboardInterrupt):
-        throughput.main(args)
-    prev = json.loads(out.read_text())
-    assert throughput._not_resumable(prev, {"geometry": prev["geometry"], "new_tokens": 999}) == \
-        "other arguments (new_tokens)"
-    assert throughput._not_resumable({**prev, "complete": True}, {}) == "it is complete"
+    prev = {**json.loads(out.read_text()), "complete": False}
+    record = {k: prev[k] for k in ("geometry", "model_path", "new_tokens", "workloads", "variants")}
+    assert throughput._not_resumable(prev, record) is None
+    assert throughput._not_resumable(prev, {**record, "new_tokens": 999}) == "other arguments (new_tokens)"
+    assert throughput._not_resumable({**prev, "complete": True}, record) == "it is complete"
+    assert throughput._not_resumable({"provenance": {}, "rows": []}, record) == "it predates workloads"
     with pytest.raises(SystemExit):
         throughput.main(["--resume", "--out", str(out)])
+
+
+def test_shared_gpu_rounds_alternate_pass_by_pass(monkeypatch, tmp_path):
+    asked, starts, _ = _stand_ins(monkeypatch, tmp_path)
+    throughput.main(["--repeats", "2", "--variants", "stock", "tpo", "--workload", "plain", "tail"])
+    assert starts == ["stock", "tpo"]
+    assert [c for _, c in asked] == ["warm plain", "warm tail", "warm plain", "warm tail",
+                                     "pass plain 0", "pass plain 0", "pass tail 0", "pass tail 0",
+                                     "pass plain 1", "pass plain 1", "pass tail 1", "pass tail 1"]
+
+
+def test_one_engine_traces_each_variant_once_after_its_last_timed_pass(monkeypatch, tmp_path):
+    asked, _, _ = _stand_ins(monkeypatch, tmp_path)
+    throughput.main(["--one-engine", "--repeats", "2", "--passes", "1", "--variants", "stock", "tpo",
+                     "--trace", "/t"])
+    assert [(v, c.split()[0]) for v, c in asked] == [
+        ("stock", "warm"), ("stock", "pass"), ("tpo", "warm"), ("tpo", "pass"),
+        ("stock", "warm"), ("stock", "pass"), ("stock", "trace"), ("tpo", "warm"), ("tpo", "pass"), ("tpo", "trace")]
 
 
 def test_generation_config_serves_a_linked_sibling_with_those_defaults_and_leaves_the_checkpoint(tmp_path):
@@ -340,12 +552,11 @@ def test_generation_config_serves_a_linked_sibling_with_those_defaults_and_leave
     (ck / "model.safetensors").write_bytes(b"w")
     (ck / "generation_config.json").write_text('{"bos_token_id": 1, "top_k": 50}')
     got = throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.95})
-    gen = json.loads((Path(got) / "generation_config.json").read_text())
-    assert gen == {"bos_token_id": 1, "top_k": 20, "top_p": 0.95, "do_sample": True}
+    assert json.loads((Path(got) / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "top_k": 20, "top_p": 0.95, "do_sample": True}
     assert json.loads((ck / "generation_config.json").read_text()) == {"bos_token_id": 1, "top_k": 50}  # untouched
     assert (Path(got) / "model.safetensors").is_symlink() and (Path(got) / "model.safetensors").read_bytes() == b"w"
-    assert sorted(p.name for p in Path(got).iterdir()) == sorted(p.name for p in ck.iterdir())
-    assert throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.95}) == got  # same content, same folder
+    assert throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.95}) == got
     assert throughput.with_generation_config(str(ck), {"top_k": 20, "top_p": 0.8}) != got
 
 
@@ -356,33 +567,25 @@ def test_generation_config_refuses_anything_but_sampling_keys(bad, capsys):
     assert e.value.code == 2 and "--generation-config" in capsys.readouterr().err
 
 
-def test_the_workload_record_names_the_generation_config(monkeypatch, tmp_path):
-    out = tmp_path / "t.json"
-    _main_stand_ins(monkeypatch, tmp_path)
-    throughput.main(["--one-engine", "--repeats", "1", "--passes", "1", "--variants", "stock", "--out", str(out),
-                     "--generation-config", '{"top_k": 20, "top_p": 0.95}'])
-    done = json.loads(out.read_text())
-    assert done["generation_config"] == {"top_k": 20, "top_p": 0.95}
-    assert done["model_path"].startswith(str(tmp_path / "model") + "-gen-")
+def test_help_needs_no_gpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--help"], capture_output=True,
+                       text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0 and "--workload" in r.stdout and "tail" in r.stdout
 
 
-def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch):
-    """The Engine and the server of every overlay variant get the contract ``variant_contract``
-    records (the default one where none is named); the prefill-graph previews run only when named."""
-    from true_on_policy import DEFAULT_CONTRACT
-    from true_on_policy.rollout import engine as eng_mod
+def test_trace_gaps_counts_busy_idle_and_long_gaps(tmp_path):
+    import gzip
 
-    monkeypatch.setattr(eng_mod, "TrueOnPolicyEngine", lambda **kw: kw)
-    popen = []
-    monkeypatch.setattr(throughput.subprocess, "Popen", lambda cmd, **kw: popen.append(cmd) or None)
-    monkeypatch.setattr(throughput.HttpEngine, "_wait_up", lambda self, t: None)
-    for name in (v for v in throughput.VARIANTS if v not in throughput.STOCK_EXTRA):
-        want = throughput.variant_contract(name)["name"]
-        assert want == throughput.CONTRACTS.get(name, DEFAULT_CONTRACT)
-        assert throughput._engine(name, "/m", 0.5).get("contract", DEFAULT_CONTRACT) == want
-        throughput.HttpEngine(name, "/m", 0.5, port=1)
-        cmd = popen[-1]
-        got = cmd[cmd.index("--true-on-policy-contract") + 1] if "--true-on-policy-contract" in cmd else DEFAULT_CONTRACT
-        assert got == want, (name, cmd)
-    assert {"tpo_pg", "tpo_flat_pg"}.isdisjoint(throughput.DEFAULT_VARIANTS)
-    assert throughput.variant_contract("tpo_flat_pg")["name"] == "qwen3_moe_true_on_policy_flat_pg_preview_v1"
+    import trace_gaps
+
+    ev = [{"ph": "X", "cat": "kernel", "ts": t, "dur": d} for t, d in ((0, 10), (5, 10), (30, 5), (100, 50))]
+    ev += [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1000}, {"ph": "X", "cat": "gpu_memcpy", "ts": 150, "dur": 10}]
+    r = trace_gaps.analyse(trace_gaps.gpu_intervals({"traceEvents": ev}), gap_us=20)
+    assert r["gpu_events"] == 5 and r["window_ms"] == 0.16 and abs(r["busy_ms"] - 0.08) < 1e-12
+    assert r["gaps_over_threshold"] == 1 and r["longest_gaps_us"] == [65.0]
+    d = tmp_path / "stock"
+    d.mkdir()
+    with gzip.open(d / "1-TP-0.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    assert trace_gaps.run(str(tmp_path), 20)["stock"]["stock/1-TP-0.trace.json.gz"] == r
+    assert trace_gaps.analyse([]) == {"gpu_events": 0}
