@@ -1,29 +1,21 @@
-"""Per-kernel GPU time of one decode step (batch 1, 64, 256) and one 4096-token prefill, stock
-SGLang vs ``--true-on-policy``, inside the CUDA graphs the rollout uses (issue 14, step 1).
+"""Per-op GPU time of one decode step (and of one prefill), stock SGLang against the contracts,
+inside the CUDA graphs the rollout uses; and every sort, allocation or host sync a contract's
+step holds that stock's lacks (``step_ops.py``).
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/op_profile.py [--geometry a3b6] [--batches 1 64 256] \\
-        [--prefill 4096] [--context 512] [--steps 5] [--out evidence/profile-a3b6.json]
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/op_profile.py --geometry a3b48 --batches 1 4 16 64 \\
+        --variants stock tpo tpo_v1 --workload plain qwen --mem 0.85 --resume --out evidence/profile-tail-a3b48.json
 
-Each variant runs in its own process on SGLang's own ``ModelRunner`` (the one the scheduler
-drives: same server arguments, CUDA graphs captured up to the largest batch, T = 1.0 with
-log-probs on, one seed per request), the way ``sglang.benchmark.one_batch`` drives it:
+Each variant (``engines.py``) runs in its own process on SGLang's own ``ModelRunner`` (the one the
+scheduler drives: same server arguments, CUDA graphs captured up to the largest batch, T = 1.0
+with log-probs on, one seed per request; ``qwen`` adds top_k 20 / top_p 0.95), the way
+``sglang.benchmark.one_batch`` drives it. For each workload and decode batch B: B prompts of
+``--context`` tokens are prefilled, 3 decode steps warm up, ``--steps`` steps run under
+``torch.profiler`` (CPU and CUDA), then 20 more are timed with CUDA events (median: ``step_ms``).
+The prefill is one request of ``--prefill`` tokens, profiled after a warm-up prefill.
 
-- stock: SGLang 0.5.17 as a user runs it (triton attention, pytorch sampling);
-- tpo: the default contract's (``true_on_policy.DEFAULT_CONTRACT``, the flat one since 2026-12-01)
-  resolved server arguments and environment, every patch applied;
-- tpo_flat: the same under the flat contract named explicitly (tree width 1);
-- tpo_v1 (``--variants stock tpo tpo_v1``): the same under ``qwen3_moe_true_on_policy_v1`` (tree
-  width 8; evidence from before the switch profiled it as ``tpo``).
-
-The ratio column is the last variant's time over the first's.
-
-For each decode batch B: B prompts of ``--context`` tokens are prefilled, 3 decode steps warm
-up, ``--steps`` steps run under ``torch.profiler`` (kernels launched from graph replays are
-recorded one by one), then 20 more steps are timed with CUDA events (median = ``step_ms``).
-The prefill is one request of ``--prefill`` tokens, profiled after one warm-up prefill.
-Kernel times are summed per kernel name and divided by the number of profiled steps; every
-name with its per-step microseconds and launch count goes into the evidence, grouped into ops
-by ``OPS`` (first matching pattern).
+The evidence (``--out``, with the tables rendered next to it as ``.md``) is rewritten after each
+variant; ``--resume`` keeps the variants an incomplete ``--out`` from the same source, versions
+and arguments holds.
 """
 
 from __future__ import annotations
@@ -31,65 +23,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("stock", "tpo", "tpo_flat", "tpo_v1")  # tpo_flat, tpo_v1: a contract by name; not run by default
-# kernel-name pattern -> op (first match wins); unmatched names are "other"
-OPS = [
-    (r"_matmul_tma_kernel|nvjet|gemm|cutlass|sm90_xmma|cublas", "dense GEMM"),
-    (r"^_matmul_kernel", "tree / grouped GEMM (o_proj, down, MoE w13)"),
-    (r"fused_moe|moe_align|moe_sum|topk|_route_kernel|_silu_mul|_combine_kernel|act_and_mul|"
-     r"silu_and_mul|count_and_sort|moe", "MoE"),
-    (r"_tree_kernel", "segment tree"),
-    (r"attn|attention|_fwd_kernel|decode|extend|flash", "attention"),
-    (r"rmsnorm|rms_norm|layernorm|_norm", "RMSNorm"),
-    (r"rope|rotary", "RoPE"),
-    (r"softmax|logprob|_lse|_sample|gumbel|sampl|argmax|log_softmax", "sampling / log-probs"),
-    (r"store_kvcache|set_kv|kv_buffer|copy_kv", "KV write"),
-    (r"elementwise|vectorized|unrolled|index|scatter|gather|fill|copy|cat|sort|cumsum|reduce|where|arange|"
-     r"memcpy|memset|Memcpy|Memset", "torch glue (elementwise, index, sort, copy)"),
-]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_ops  # noqa: E402
+from engines import CONTRACTS, STOCK_EXTRA, stock_args  # noqa: E402
+from workloads import QWEN_SAMPLING  # noqa: E402
+
+VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1")
+SAMPLING = {"plain": {}, "qwen": QWEN_SAMPLING}  # the workloads' per-request sampling
 
 
-def op_of(name: str) -> str:
-    for pat, op in OPS:
-        if re.search(pat, name, re.IGNORECASE):
-            return op
-    return "other"
+def variant_contract(variant: str) -> str | None:
+    """The contract a variant runs (None: stock)."""
+    if variant in STOCK_EXTRA:
+        return None
+    from true_on_policy import DEFAULT_CONTRACT
+
+    return CONTRACTS.get(variant, DEFAULT_CONTRACT)
 
 
-def _kernel_times(trace_path: str, steps: int) -> dict:
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    per = {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            grid = (e.get("args") or {}).get("grid")
-            name = e["name"] + (f" grid={grid}" if grid else "")
-            t, n = per.get(name, (0.0, 0))
-            per[name] = (t + float(e["dur"]), n + 1)
-    rows = sorted(({"kernel": k[:160], "op": op_of(k), "us_per_step": t / steps, "launches_per_step": n / steps}
-                   for k, (t, n) in per.items()), key=lambda r: -r["us_per_step"])
-    ops = {}
-    for r in rows:
-        ops[r["op"]] = ops.get(r["op"], 0.0) + r["us_per_step"]
-    return {"gpu_us_per_step": sum(r["us_per_step"] for r in rows), "ops_us": dict(sorted(ops.items(), key=lambda x: -x[1])),
-            "kernels": rows}
-
-
-def _server_args(variant: str, model_path: str, max_bs: int, manifest_dir: str):
-    kw = dict(model_path=model_path, mem_fraction_static=0.6, random_seed=0, log_level="error",
+def _server_args(variant: str, model_path: str, max_bs: int, mem: float, manifest_dir: str):
+    kw = dict(model_path=model_path, mem_fraction_static=mem, random_seed=0, log_level="error",
               cuda_graph_max_bs_decode=max_bs, disable_radix_cache=True)
-    if variant == "stock":
+    if variant in STOCK_EXTRA:
         from sglang.srt.server_args import ServerArgs
 
         from true_on_policy import env
 
         env.disable_overlay()
-        return ServerArgs(attention_backend="triton", sampling_backend="pytorch", **kw)
+        return ServerArgs(**stock_args(variant), **kw)
     from true_on_policy import patches
     from true_on_policy.contract import get_contract
     from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs
@@ -101,7 +66,7 @@ def _server_args(variant: str, model_path: str, max_bs: int, manifest_dir: str):
     return plan.server_args
 
 
-def _reqs(n: int, length: int, seed: int, vocab: int):
+def _reqs(n: int, length: int, seed: int, vocab: int, sampling: dict):
     from array import array
 
     import numpy as np
@@ -111,7 +76,7 @@ def _reqs(n: int, length: int, seed: int, vocab: int):
     ids = np.random.default_rng(seed).integers(0, vocab, (n, length))
     out = []
     for i in range(n):
-        sp = SamplingParams(temperature=1.0, max_new_tokens=4096, sampling_seed=1000 + i)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=4096, sampling_seed=1000 + i, **sampling)
         sp.normalize(None)
         req = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids[i].tolist()), sampling_params=sp,
                   return_logprob=True)
@@ -150,144 +115,156 @@ def _host_split(runner, batch, state, torch, n=20) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
 
 
-def variant_contract(variant: str) -> str | None:
-    """The contract a variant runs (None: stock)."""
-    if variant == "stock":
-        return None
-    # the sibling benchmark's variant -> contract map (run as a script, this folder is on sys.path)
-    from throughput import CONTRACTS
-
-    from true_on_policy import DEFAULT_CONTRACT
-
-    return CONTRACTS.get(variant, DEFAULT_CONTRACT)
-
-
-def phase(variant: str, model_path: str, batches: list[int], prefill: int, context: int, steps: int,
-          workdir: str) -> dict:
+def phase(variant: str, model_path: str, a, workdir: str) -> dict:
     import torch
     from sglang.benchmark import one_batch as ob
     from sglang.srt.server_args import PortArgs
 
-    server_args = _server_args(variant, model_path, max(batches), os.path.join(workdir, "manifests"))
+    server_args = _server_args(variant, model_path, max(a.batches), a.mem, os.path.join(workdir, "manifests"))
     ob._set_envs_and_config(server_args)
     runner, _ = ob.load_model(server_args, PortArgs.init_new(server_args), 0, 0)
     vocab = runner.torch_runner.model_config.vocab_size
-    prof_kw = dict(activities=[torch.profiler.ProfilerActivity.CUDA])
+    prof_kw = dict(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
 
     def profiled(fn, n, tag):
         runner.synchronize()
         with torch.profiler.profile(**prof_kw) as prof:
             for _ in range(n):
-                fn()
+                with torch.profiler.record_function(step_ops.STEP):
+                    fn()
             runner.synchronize()
         path = os.path.join(workdir, f"{variant}-{tag}.json")
         prof.export_chrome_trace(path)
-        return _kernel_times(path, n)
+        row = step_ops.analyse_file(path, n)
+        os.unlink(path)
+        return row
 
     result = {"variant": variant, "server_args": {k: str(getattr(server_args, k, None)) for k in (
         "attention_backend", "sampling_backend", "enable_deterministic_inference", "rl_on_policy_target",
-        "disable_cuda_graph", "cuda_graph_max_bs_decode")}, "contract": variant_contract(variant), "decode": {},
-        "prefill": None}
-    for b in batches:
-        runner.clear()
-        state = {}
-        state["ids"], _, batch = runner.extend(_reqs(b, context, b, vocab))
+        "disable_cuda_graph", "cuda_graph_max_bs_decode")}, "contract": variant_contract(variant),
+        "decode_workloads": {}, "prefill": None}
+    for w in a.workload:
+        rows = result["decode_workloads"][w] = {}
+        for b in a.batches:
+            runner.clear()
+            state = {}
+            state["ids"], _, batch = runner.extend(_reqs(b, a.context, b, vocab, SAMPLING[w]))
 
-        def step():
-            state["ids"], _ = runner.decode(state["ids"], batch)
+            def step(state=state, batch=batch):
+                state["ids"], _ = runner.decode(state["ids"], batch)
 
-        for _ in range(3):
-            step()
-        row = profiled(step, steps, f"decode-bs{b}")
-        runner.synchronize()
-        times = []
-        for _ in range(20):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            step()
-            t1.record()
-            t1.synchronize()
-            times.append(t0.elapsed_time(t1))
-        row["step_ms"] = sorted(times)[len(times) // 2]
-        row["host_ms"] = _host_split(runner, batch, state, torch)
-        row["batch"], row["context"] = b, context
-        result["decode"][str(b)] = row
-        print(f"{variant} decode bs={b}: {row['step_ms']:.3f} ms/step, kernels {row['gpu_us_per_step']:.0f} us",
-              flush=True)
+            for _ in range(3):
+                step()
+            row = profiled(step, a.steps, f"decode-{w}-bs{b}")
+            runner.synchronize()
+            times = []
+            for _ in range(20):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                step()
+                t1.record()
+                t1.synchronize()
+                times.append(t0.elapsed_time(t1))
+            row["step_ms"] = sorted(times)[len(times) // 2]
+            row["host_ms"] = _host_split(runner, batch, state, torch)
+            row["batch"], row["context"] = b, a.context
+            rows[str(b)] = row
+            print(f"{variant} {w} decode bs={b}: {row['step_ms']:.3f} ms/step, kernels {row['gpu_us_per_step']:.0f} us",
+                  flush=True)
+    result["decode"] = result["decode_workloads"][a.workload[0]]
     runner.clear()
-    runner.extend(_reqs(1, prefill, 7, vocab))  # warm-up: compiles the prefill forms
+    runner.extend(_reqs(1, a.prefill, 7, vocab, {}))  # warm-up: compiles the prefill forms
     runner.clear()
-    row = profiled(lambda: runner.extend(_reqs(1, prefill, 8, vocab)), 1, f"prefill-{prefill}")
-    row["tokens"] = prefill
+    row = profiled(lambda: runner.extend(_reqs(1, a.prefill, 8, vocab, {})), 1, f"prefill-{a.prefill}")
+    row["tokens"] = a.prefill
     result["prefill"] = row
-    print(f"{variant} prefill {prefill}: kernels {row['gpu_us_per_step']:.0f} us", flush=True)
+    print(f"{variant} prefill {a.prefill}: kernels {row['gpu_us_per_step']:.0f} us", flush=True)
     return result
 
 
-def table(results: list[dict]) -> str:
-    """Markdown: per shape, each op's microseconds per step for every variant."""
-    lines = []
-    shapes = [("decode", b) for b in results[0]["decode"]] + [("prefill", None)]
-    for kind, b in shapes:
-        rows = [r["decode"][b] if kind == "decode" else r["prefill"] for r in results]
-        title = f"decode step, batch {b}" if kind == "decode" else f"prefill, {rows[0]['tokens']} tokens"
-        lines += [f"\n{title}\n", "| op | " + " | ".join(r["variant"] + " us" for r in results) + " | ratio |",
-                  "|---|" + "---:|" * (len(results) + 1)]
-        ops = list(dict.fromkeys(op for row in rows for op in row["ops_us"]))
-        for op in ops + ["total (GPU)"]:
-            vals = [row["gpu_us_per_step"] if op == "total (GPU)" else row["ops_us"].get(op, 0.0) for row in rows]
-            ratio = f"{vals[-1] / vals[0]:.2f}" if vals[0] else "-"
-            lines.append(f"| {op} | " + " | ".join(f"{v:.0f}" for v in vals) + f" | {ratio} |")
-        if kind == "decode":
-            for part in ("prepare", "forward", "sample"):
-                vals = [row.get("host_ms", {}).get(part, 0.0) for row in rows]
-                lines.append(f"| host {part} ms (synchronized) | " + " | ".join(f"{v:.3f}" for v in vals) + " | "
-                             + (f"{vals[-1] / vals[0]:.2f}" if vals[0] else "-") + " |")
-            lines.append("| step (CUDA events) ms | " + " | ".join(f"{row['step_ms']:.3f}" for row in rows) + " | "
-                         + (f"{rows[-1]['step_ms'] / rows[0]['step_ms']:.2f}" if rows[0]["step_ms"] else "-") + " |")
-    return "\n".join(lines)
+def table(results: list[dict], a) -> str:
+    return step_ops.markdown({"geometry": a.geometry, "context": a.context, "batches": a.batches,
+                              "workloads": a.workload, "variants": results,
+                              "flags": step_ops.flags(results, STOCK_EXTRA)})
+
+
+def _record(a, model_path) -> dict:
+    """What the run measures (a resumed run must match it exactly)."""
+    return {"geometry": a.geometry, "model_path": model_path, "batches": a.batches, "context": a.context,
+            "prefill_tokens": a.prefill, "steps": a.steps, "workloads": a.workload, "mem": a.mem,
+            "variant_order": a.variants}
+
+
+def _kept(a, record) -> list[dict]:
+    """The variants an incomplete ``--out`` of this source, versions and arguments holds."""
+    from true_on_policy.harness import provenance
+
+    if not (a.resume and a.out and os.path.exists(a.out)):
+        return []
+    with open(a.out) as f:
+        prev = json.load(f)
+    old = prev.get("provenance") or {}
+    same = (old.get("git"), old.get("versions")) == (provenance.git_state(), provenance.versions())
+    if prev.get("complete") or not same or any(prev.get(k) != v for k, v in record.items()):
+        print(f"not resuming {a.out}: complete, or another source, versions or arguments", flush=True)
+        return []
+    return list(prev["variants"])
+
+
+def _run_phase(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=1800)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--geometry", default="a3b6")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--geometry", default="a3b6", help="a name of geometries.SPACE or of tiny_model.GEOMETRIES")
     p.add_argument("--model-path")
+    p.add_argument("--make-room", action="store_true", help="see throughput.py")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--workload", nargs="+", default=["plain"], choices=list(SAMPLING),
+                   help="the sampling of the profiled requests: plain (T = 1) or qwen (top_k 20, top_p 0.95)")
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--mem", type=float, default=0.6, help="mem_fraction_static of every variant")
     p.add_argument("--variants", nargs="+", default=["stock", "tpo"], choices=VARIANTS)
+    p.add_argument("--resume", action="store_true", help="keep the variants an incomplete --out holds")
     p.add_argument("--out")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.variants[0] not in STOCK_EXTRA:
+        p.error("the first variant is the reference: a stock one")
     if a.phase:
-        r = phase(a.phase, a.model_path, a.batches, a.prefill, a.context, a.steps, a.workdir)
+        r = phase(a.phase, a.model_path, a, a.workdir)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
-    from true_on_policy.harness import tiny_model
+    import geometries
+
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/op_profile.py", *argv])
-    model_path = a.model_path or tiny_model.ensure(a.geometry)
-    results = []
+    model_path = a.model_path or geometries.ensure(a.geometry, room=a.make_room)
+    record = _record(a, model_path)
+    results = _kept(a, record)
     with tempfile.TemporaryDirectory(prefix="tpo-profile-") as work:
-        for v in a.variants:
-            cmd = [sys.executable, __file__, "--phase", v, "--model-path", model_path, "--workdir", work,
-                   "--prefill", str(a.prefill), "--context", str(a.context), "--steps", str(a.steps),
-                   "--batches", *map(str, a.batches)]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=1200)
+        for v in a.variants[len(results):]:  # the phase reads the same arguments (the last --model-path wins)
+            cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv), "--phase", v,
+                   "--model-path", model_path, "--workdir", work]
+            r = _run_phase(cmd)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
             if r.returncode or not line:
                 raise RuntimeError(f"variant {v} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
             print("\n".join(x for x in r.stdout.splitlines() if not x.startswith("RESULT ")), flush=True)
             results.append(json.loads(line[-1][len("RESULT "):]))
-    text = table(results)
-    print(text)
-    if a.out:
-        write_evidence(a.out, {"geometry": a.geometry, "model_path": model_path, "batches": a.batches,
-                               "context": a.context, "prefill_tokens": a.prefill, "steps": a.steps,
-                               "table": text, "variants": results}, prov)
+            text = table(results, a)
+            if a.out:
+                write_evidence(a.out, {**record, "geometry_record": None if a.model_path else geometries.describe(
+                    a.geometry), "complete": len(results) == len(a.variants), "variants": results,
+                    "flags": step_ops.flags(results, STOCK_EXTRA), "table": text}, prov)
+                with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+                    f.write(text)
+    print(table(results, a))
     return 0
 
 

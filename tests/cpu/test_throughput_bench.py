@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -589,3 +590,109 @@ def test_trace_gaps_counts_busy_idle_and_long_gaps(tmp_path):
         json.dump({"traceEvents": ev}, f)
     assert trace_gaps.run(str(tmp_path), 20)["stock"]["stock/1-TP-0.trace.json.gz"] == r
     assert trace_gaps.analyse([]) == {"gpu_events": 0}
+
+
+# ---------------------------------------------------------------- the small-batch op profile
+
+
+def _ev(cat, name, ts, dur=1.0, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **({"args": args} if args else {})}
+
+
+def _trace(extra=(), steps=2):
+    """``steps`` annotated steps 100 µs apart, each with a GEMM, an attention kernel, an empty and a
+    D2H copy; then the profiler's closing synchronize, outside every step."""
+    ev = []
+    for i in range(steps):
+        t = 100.0 * i
+        ev += [_ev("user_annotation", "tpo_profile_step", t, 50.0), _ev("kernel", "nvjet_gemm", t + 1, 10.0, grid=[4, 1, 1]),
+               _ev("kernel", "_fwd_grouped_kernel_stage1", t + 12, 4.0), _ev("cpu_op", "aten::empty", t + 2),
+               _ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", t + 20, 1.0)]
+        ev += [dict(e, ts=e["ts"] + t) for e in extra]
+    return ev + [_ev("cuda_runtime", "cudaDeviceSynchronize", 100.0 * steps + 5)]
+
+
+def test_step_ops_counts_gpu_time_and_the_watched_events_inside_steps():
+    import step_ops
+
+    extra = [_ev("cpu_op", "aten::sort", 3), _ev("kernel", "void cub::DeviceRadixSortOnesweepKernel", 30, 2.0),
+             _ev("cuda_runtime", "cudaStreamSynchronize", 4), _ev("cpu_op", "aten::item", 5),
+             _ev("cuda_runtime", "cudaMalloc", 6), _ev("cuda_runtime", "cudaMemcpyAsync", 7)]
+    r = step_ops.analyse(_trace(extra), steps=2)
+    assert r["step_windows"] == 2 and r["gpu_us_per_step"] == 10.0 + 4.0 + 1.0 + 2.0
+    assert r["kernels"][0] == {"kernel": "nvjet_gemm grid=[4, 1, 1]", "op": "dense GEMM", "us_per_step": 10.0,
+                               "launches_per_step": 1.0}
+    assert r["ops_us"]["attention"] == 4.0  # the triton decode kernel is attention, not "other"
+    assert r["watched_per_step"] == {
+        "allocation": {"cudaMalloc": 1.0},
+        "device-to-host copy": {"Memcpy DtoH (Device -> Pinned)": 1.0},
+        "host sync": {"aten::item": 1.0, "cudaStreamSynchronize": 1.0},  # not the closing cudaDeviceSynchronize
+        "sort": {"aten::sort": 1.0, "void cub::DeviceRadixSortOnesweepKernel": 1.0},
+        "tensor allocation": {"aten::empty": 1.0}}
+    assert step_ops.op_of("fused_moe_kernel") == "MoE" and step_ops.op_of("mystery") == "other"
+
+
+def _phase_result(variant, watched, workloads=("plain", "qwen"), batches=(1, 4)):
+    row = {"gpu_us_per_step": 100.0, "ops_us": {"dense GEMM": 60.0, "attention": 40.0}, "kernels": [],
+           "watched_per_step": watched, "step_ms": 0.5, "host_ms": {"prepare": 0.1, "forward": 0.3, "sample": 0.1}}
+    dw = {w: {str(b): dict(row) for b in batches} for w in workloads}
+    return {"variant": variant, "decode_workloads": dw, "decode": dw[workloads[0]],
+            "prefill": {**row, "tokens": 64}, "contract": None}
+
+
+def test_flags_name_what_a_contract_step_holds_beyond_each_stock():
+    import step_ops
+
+    stock = _phase_result("stock", {"sort": {"aten::sort": 1.0}, "tensor allocation": {"aten::empty": 3.0}})
+    fi = _phase_result("stock_fi", {"tensor allocation": {"aten::empty": 3.0}})
+    tpo = _phase_result("tpo", {"sort": {"aten::sort": 1.0}, "tensor allocation": {"aten::empty": 3.0}})
+    v1 = _phase_result("tpo_v1", {"host sync": {"cudaStreamSynchronize": 1.0}, "tensor allocation": {"aten::empty": 5.0}})
+    f = step_ops.flags([stock, fi, tpo, v1], engines.STOCK_EXTRA)
+    got = {(x["variant"], x["against"], x["class"], x["kind"]) for x in f}
+    assert got == {("tpo", "stock_fi", "sort", "absent in stock"), ("tpo_v1", "stock", "host sync", "absent in stock"),
+                   ("tpo_v1", "stock_fi", "host sync", "absent in stock"),
+                   ("tpo_v1", "stock", "tensor allocation", "more than stock"),
+                   ("tpo_v1", "stock_fi", "tensor allocation", "more than stock")}
+    assert len(f) == 5 * 2 * 2  # each pair at every workload and batch
+    assert step_ops.flags([stock, tpo], engines.STOCK_EXTRA) == []
+
+
+def test_op_profile_writes_the_table_and_flags_and_resumes_per_variant(monkeypatch, tmp_path):
+    import op_profile
+
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.setattr(geometries, "ensure", lambda name, room=False: str(model))
+    watched = {"stock": {}, "tpo": {"sort": {"aten::sort": 1.0}}, "tpo_v1": {}}
+    ran = []
+
+    def fake_run(cmd):
+        v = cmd[cmd.index("--phase") + 1]
+        ran.append(v)
+        assert cmd[cmd.index("--batches") + 1:cmd.index("--batches") + 3] == ["1", "4"]
+        if v == "tpo_v1" and len(ran) == 3:
+            return SimpleNamespace(returncode=1, stdout="", stderr="the call's time limit")
+        out = "RESULT " + json.dumps(_phase_result(v, watched[v]))
+        return SimpleNamespace(returncode=0, stdout=f"{v} decode ...\n{out}\n", stderr="")
+
+    monkeypatch.setattr(op_profile, "_run_phase", fake_run)
+    out = tmp_path / "profile-tail.json"
+    args = ["--geometry", "h1536e256k6", "--batches", "1", "4", "--variants", "stock", "tpo", "tpo_v1",
+            "--workload", "plain", "qwen", "--mem", "0.85", "--resume", "--out", str(out)]
+    with pytest.raises(RuntimeError, match="variant tpo_v1 failed"):
+        op_profile.main(args)
+    first = json.loads(out.read_text())
+    assert not first["complete"] and [v["variant"] for v in first["variants"]] == ["stock", "tpo"]
+    op_profile.main(args)
+    assert ran == ["stock", "tpo", "tpo_v1", "tpo_v1"]  # stock and tpo kept, not run again
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["workloads"] == ["plain", "qwen"] and d["batches"] == [1, 4] and d["mem"] == 0.85
+    assert {(f["variant"], f["against"], f["workload"], f["batch"]) for f in d["flags"]} == {
+        ("tpo", "stock", w, b) for w in ("plain", "qwen") for b in (1, 4)}
+    md = (tmp_path / "profile-tail.md").read_text()
+    assert md == d["table"] and "## decode step, batch 4, qwen" in md
+    assert "| qwen | 4 | tpo | stock | sort | `aten::sort` | 1 | 0 |" in md
+    assert "| total (GPU) | 100 | 100 | 100 | 1.00 | 1.00 |" in md
+    assert d["geometry_record"]["spec"]["num_experts"] == 256
+    with pytest.raises(SystemExit):
+        op_profile.main(["--variants", "tpo", "stock"])  # the reference must be a stock variant
