@@ -2,8 +2,8 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | default | pgpreview | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but
-#        realshape48, flat, flatcover, throughput, default and pgpreview)
+#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | tp2 | pp2 (two GPUs each) | all (the
+#        one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space and tailprofile)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -142,6 +142,27 @@ case $GROUP in
     done
     run python3 -m true_on_policy.harness.acceptance --contract qwen3_moe_true_on_policy_flat_pg_preview_v1 \
       --folder "$E/acceptance-flat-pg-embedded" --resume --out "$E/acceptance-flat-pg-embedded.json" ;;
+  space|tailprofile)  # issue 37: the geometries of benchmarks/geometries.py (GEOMETRY=<name>: one of them; one run
+    # each), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
+    # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
+    # at a time, stock (and its flashinfer sampling for qwen) against both contracts; a line stops before its time
+    # budget (TIME_BUDGET s, default 540) with exit 3 and "INCOMPLETE": run it again until the file is complete.
+    # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
+    # allocation or host sync a contract's step adds to stock's (JSON + .md; PROFILE_TAG=before|after names the files;
+    # each variant is kept once done: run it again after a time limit)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    B="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks"
+    for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
+      if [ "$GROUP" = space ]; then
+        run $B/throughput.py --geometry "$g" --workload plain qwen tail long --variants stock stock_fi tpo tpo_v1 \
+          --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+          --time-budget "${TIME_BUDGET:-540}" --out "$E/throughput-space-$g.json"
+      else
+        run $B/op_profile.py --geometry "$g" --batches 1 4 16 64 --workload plain qwen \
+          --variants stock stock_fi tpo tpo_v1 --mem 0.85 --make-room --resume \
+          --out "$E/profile-tail-$g${PROFILE_TAG:+-$PROFILE_TAG}.json"
+      fi
+    done ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
