@@ -18,13 +18,14 @@ from true_on_policy.patches import (
     sampler,
     scheduler_guard,
     tp_worker,
+    weight_updates,
     weights,
 )
 
 from true_on_policy import env, patching
 from true_on_policy.manifest import Manifest
 
-PATCHES = (tp_worker, weights, layernorm, linear, communicator, rope, attention_backend, sampler, qwen3_moe, pipeline,
+PATCHES = (tp_worker, weights, weight_updates, layernorm, linear, communicator, rope, attention_backend, sampler, qwen3_moe, pipeline,
            cuda_graph, scheduler_guard)
 
 _MANIFEST: Manifest | None = None

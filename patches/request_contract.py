@@ -14,14 +14,22 @@ frequency / presence / repetition penalties, ``logit_bias``, grammars (json_sche
 structural_tag), ``min_new_tokens``, custom logit processors and thinking budgets,
 ``return_routed_experts`` (the contract's router bypasses SGLang's capture site) and sampling masks.
 Supported on both sides: temperature, top_k, top_p, min_p (``kernels/sampling``), seeds, n.
+
+Refused too, before the request is normalised (``TokenizerManager.generate_request``), because a
+scheduler cannot survive them (``true_on_policy.contract.requests``): token ids outside the
+vocabulary, out-of-range ``top_logprobs_num`` / ``token_ids_logprob`` / ``logprob_start_len``,
+seeds outside int64, ``n < 1``, NaN or infinite floats, fields of the wrong type, unknown sampling
+parameters. Every problem of a request is listed in one message. While a failed weight update may
+have left a mix of weights, every request is refused with HTTP 503 (``patches/weight_updates.py``).
 """
 
 from __future__ import annotations
 
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import after, wrap
+from true_on_policy.patching import wrap
 
 CREATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
+GENERATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
 _DEFAULTS_HINT = ("if you did not send it, it came from --preferred-sampling-params or the model's "
                   "generation_config.json (--sampling-defaults openai turns those defaults off)")
 
@@ -61,9 +69,68 @@ def problems(sp, obj) -> list[str]:
     return out
 
 
+def _limits(tm):
+    from true_on_policy.contract.requests import Limits
+
+    return Limits(vocab_size=int(tm.model_config.vocab_size), hidden_size=int(tm.model_config.hidden_size))
+
+
+def _refuse(what: str, found: list[str]) -> None:
+    from true_on_policy import DEFAULT_CONTRACT, env
+    from true_on_policy.contract import get_contract
+
+    name = get_contract(env.CONTRACT.get() or DEFAULT_CONTRACT).name
+    raise RequestContractError(f"true-on-policy contract {name} refuses this request ({len(found)} {what}); "
+                               "nothing was scheduled:\n  - " + "\n  - ".join(found))
+
+
+def _is_generate(obj) -> bool:
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return isinstance(obj, GenerateReqInput)
+
+
+def _make_generate(original):
+    async def tpo_generate_request(self, obj, request=None):
+        from true_on_policy import env
+
+        if env.ENABLED.is_true() and _is_generate(obj):
+            from true_on_policy.patches.weight_updates import check_serving
+
+            from true_on_policy.contract.requests import request_problems
+
+            check_serving(self)
+            found = request_problems(obj, _limits(self))
+            if found:
+                _refuse("invalid field(s)", found)
+        async for out in original(self, obj, request):
+            yield out
+
+    return tpo_generate_request
+
+
+def _make_create(original):
+    def tpo_create_tokenized_object(self, obj, input_text, input_ids, *args, **kwargs):
+        from true_on_policy import env
+
+        if not env.ENABLED.is_true() or not _is_generate(obj):
+            return original(self, obj, input_text, input_ids, *args, **kwargs)
+        from true_on_policy.contract.requests import sampling_problems, tokenized_problems
+
+        merged = {**(self.preferred_sampling_params or {}), **(obj.sampling_params or {})}
+        found = sampling_problems(merged, _limits(self)) + tokenized_problems(
+            input_ids, obj.logprob_start_len, _limits(self).vocab_size)
+        if found:
+            _refuse("invalid field(s)", found)
+        result = original(self, obj, input_text, input_ids, *args, **kwargs)
+        _check(result, self, obj)
+        return result
+
+    return tpo_create_tokenized_object
+
+
 def _check(result, tm, obj, *args, **kwargs) -> None:
     from true_on_policy import env
-    from true_on_policy.contract import get_contract
 
     if not env.ENABLED.is_true():
         return
@@ -72,16 +139,14 @@ def _check(result, tm, obj, *args, **kwargs) -> None:
         return  # embedding requests: no sampling
     found = problems(sp, obj)
     if found:
-        from true_on_policy import DEFAULT_CONTRACT
-
-        name = get_contract(env.CONTRACT.get() or DEFAULT_CONTRACT).name
-        raise RequestContractError(f"true-on-policy contract {name} refuses this request ({len(found)} problem(s)); "
-                                   "nothing was scheduled:\n  - " + "\n  - ".join(found))
+        _refuse("problem(s)", found)
 
 
 def apply(policy) -> PatchRecord:
-    rep = wrap(CREATE, after(_check))
-    return PatchRecord.of("request_contract", [rep],
+    reps = [wrap(GENERATE, _make_generate), wrap(CREATE, _make_create)]
+    return PatchRecord.of("request_contract", reps,
                        ["requests whose resolved sampling parameters change the logits before the sampler "
                         "(penalties, logit_bias, grammars, min_new_tokens, custom processors) or ask for "
-                        "routed experts / sampling masks are refused before scheduling (HTTP 400)"])
+                        "routed experts / sampling masks are refused before scheduling (HTTP 400)",
+                        "fields a scheduler could crash on (ids outside the vocabulary, bad seeds, NaN, wrong "
+                        "types, out-of-range log-prob fields, n < 1) are refused before normalisation (HTTP 400)"])

@@ -63,10 +63,11 @@ def install_main_process(policy) -> list:
     """The launching process's patches: argument validation, the per-request contract and the
     per-sample seeds (the tokenizer lives here), and one weight-update payload per (pp, tp) rank
     (``Engine.update_weights_from_tensor``). Idempotent; returns the PatchRecords."""
-    from true_on_policy.patches import request_contract, seeds, weights
+    from true_on_policy.patches import request_contract, seeds, weight_updates, weights
 
     install_validation(policy)
-    return [request_contract.apply(policy), seeds.apply(policy), weights.apply_main(policy)]
+    return [request_contract.apply(policy), seeds.apply(policy), weights.apply_main(policy),
+            weight_updates.apply_main(policy)]
 
 
 def add_rl_target(name: str) -> None:

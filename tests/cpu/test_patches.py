@@ -42,8 +42,8 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 31, lines
-assert [p.patch for p in m.patches] == ['tp_worker', 'weights', 'layernorm', 'linear', 'communicator', 'rope',
+assert len(lines) == len(patching.applied()) == 34, lines
+assert [p.patch for p in m.patches] == ['tp_worker', 'weights', 'weight_updates', 'layernorm', 'linear', 'communicator', 'rope',
                                         'attention_backend', 'sampler', 'qwen3_moe', 'pipeline', 'cuda_graph',
                                         'scheduler_guard']
 assert all(': ' in l and ' -> ' in l for l in lines)
@@ -73,7 +73,7 @@ from true_on_policy.contract.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 31 and all(s['installed'] for s in syms), syms
+assert len(syms) == 34 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
@@ -194,18 +194,25 @@ from true_on_policy.contract import get_contract
 from sglang.srt.managers.tokenizer_manager import TokenizerManager as TM
 from sglang.srt.entrypoints.engine import Engine
 keep = {'serialize': Engine.__dict__['_serialize_tensors_per_rank']}  # not a module global: wrap rewrites those
-before = {n: TM.__dict__[n] for n in ('_create_tokenized_object', '_send_one_request', '_send_batch_request',
-                                       '_wait_one_response')}
+from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin as MIX
+before = {n: TM.__dict__[n] for n in ('generate_request', '_create_tokenized_object', '_send_one_request',
+                                       '_send_batch_request', '_wait_one_response', 'update_weights_from_disk')}
+mix = {n: MIX.__dict__[n] for n in ('update_weights_from_tensor', 'update_weights_from_distributed',
+                                     'update_weights_from_ipc')}
 records = plugin.install_main_process(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'launcher'))
-assert [r.patch for r in records] == ['request_contract', 'seeds', 'weights_engine']
+assert [r.patch for r in records] == ['request_contract', 'seeds', 'weights_engine', 'weight_updates_main']
+assert all(MIX.__dict__[n].__wrapped__ is f for n, f in mix.items())
 assert Engine.__dict__['_serialize_tensors_per_rank'].__wrapped__ is keep['serialize']
 assert all(TM.__dict__[n] is not f and TM.__dict__[n].__wrapped__ is f for n, f in before.items())
 import inspect
 assert inspect.isasyncgenfunction(TM.__dict__['_wait_one_response'])
+assert inspect.isasyncgenfunction(TM.__dict__['generate_request'])
+assert all(inspect.iscoroutinefunction(MIX.__dict__[n]) for n in mix)
 assert plugin.install_main_process(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'launcher'))
 for t in list(patching.applied()):
     patching.undo(t)
 assert all(TM.__dict__[n] is f for n, f in before.items())
+assert all(MIX.__dict__[n] is f for n, f in mix.items())
 assert Engine.__dict__['_serialize_tensors_per_rank'] is keep['serialize']
 print('ok')
 """

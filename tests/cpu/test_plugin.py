@@ -41,7 +41,7 @@ def test_scheduler_process_gets_every_patch_before_the_model():
     r = run_py(code, {"SGLANG_TRUE_ON_POLICY": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-4:] == ["sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__", "scheduler",
-                                     "bf0f9c647a8e", "12"]  # the default contract, the flat one
+                                     "bf0f9c647a8e", "13"]  # the default contract, the flat one
 
 
 def test_broken_overlay_stops_the_process_loudly():
