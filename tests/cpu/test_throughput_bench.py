@@ -696,3 +696,24 @@ def test_op_profile_writes_the_table_and_flags_and_resumes_per_variant(monkeypat
     assert d["geometry_record"]["spec"]["num_experts"] == 256
     with pytest.raises(SystemExit):
         op_profile.main(["--variants", "tpo", "stock"])  # the reference must be a stock variant
+
+
+def test_step_ops_reads_a_real_torch_profiler_trace(tmp_path):
+    """torch's own categories and annotations (CPU activity): a sort and a host read inside the
+    steps count, the sort after them does not."""
+    import step_ops
+    import torch
+
+    x = torch.randn(8, 100)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with torch.profiler.record_function(step_ops.STEP):
+                torch.sort(x, dim=-1).values[0, 0].item()
+        torch.sort(x, dim=-1)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    r = step_ops.analyse_file(str(tmp_path / "t.json"), 2)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    all_sorts = sum(e.get("name") == "aten::sort" for e in events)  # 3 calls (with their nested dispatch)
+    assert r["step_windows"] == 2 and set(r["watched_per_step"]["sort"]) == {"aten::sort"}
+    assert 2 * r["watched_per_step"]["sort"]["aten::sort"] == all_sorts * 2 / 3
+    assert r["watched_per_step"]["host sync"]["aten::item"] == 1.0
