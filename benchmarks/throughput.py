@@ -221,19 +221,27 @@ class Run:
                                         "results": results, "table": text,
                                         **({"resumed_from": self.earlier} if self.earlier else {})}, self.prov)
 
-    # --time-budget: estimates from the run's own earlier starts and passes (none yet: go)
+    # --time-budget: estimates from the run's own earlier starts and passes (none yet: go). A
+    # workload not timed yet is estimated from the slowest decode step seen: a pass's seconds over
+    # its longest request's new tokens (the prefill counted in, so it errs long).
     def fits(self, seconds: float) -> bool:
         return self.a.time_budget is None or _now() - self.t0 + seconds <= self.a.time_budget
 
     def start_estimate(self) -> float:
         return max((s.get("start_s") or 0.0 for s in self.starts), default=0.0)
 
+    def _step_s(self) -> float:
+        return max((p["seconds"] / max(self.draws[w].new_tokens) for w in self.workloads
+                    for ps in self.passes[w].values() for p in ps), default=0.0)
+
     def pass_estimate(self, w: str) -> float:
-        return PASS_MARGIN * max((p.get("seconds", 0.0) for ps in self.passes[w].values() for p in ps), default=0.0)
+        seen = [p["seconds"] for ps in self.passes[w].values() for p in ps]
+        return PASS_MARGIN * (max(seen) if seen else max(self.draws[w].new_tokens) * self._step_s())
 
     def warm_estimate(self, w: str) -> float:
         seen = [s["warmups"][w] for s in self.starts if w in s.get("warmups", {})]
-        return PASS_MARGIN * max(seen) if seen else self.pass_estimate(w)
+        steps = min(wl.WARM_CAP, max(self.draws[w].new_tokens))
+        return PASS_MARGIN * (max(seen) if seen else steps * self._step_s())
 
     def add_start(self, var) -> None:
         rec = {**(var.engine or {}), "contract": variant_contract(var.name),

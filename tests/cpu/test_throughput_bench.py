@@ -414,8 +414,9 @@ def _stand_ins(monkeypatch, tmp_path, cut_after=None, fail=(), seconds=1.0):
         def ask(self, cmd):
             asked.append((self.name, cmd))
             self.n += 1
-            clock["t"] += seconds
-            return {"tokens_per_s": 100.0 * len(starts) + self.n, "tokens": 7, "seconds": seconds}
+            took = seconds(cmd) if callable(seconds) else seconds
+            clock["t"] += took
+            return {"tokens_per_s": 100.0 * len(starts) + self.n, "tokens": 7, "seconds": took}
 
         def close(self):
             pass
@@ -471,22 +472,30 @@ def test_an_optional_stock_that_does_not_start_is_recorded_and_left_out(monkeypa
         throughput.main([*SPACE_ARGS, "--out", str(out)])
 
 
+def _decode_seconds(cmd: str) -> float:
+    """A stand-in pass: 20 ms per decode step of the workload's longest request (the warm-up's capped)."""
+    kind, w = cmd.split()[:2]
+    longest = {"plain": 6, "qwen": 6, "tail": max(wl.tail_lengths(8)), "long": 4096}[w]
+    return 0.02 * (min(longest, wl.WARM_CAP) if kind == "warm" else longest)
+
+
 def test_the_time_budget_stops_between_passes_and_resume_finishes_the_run(monkeypatch, tmp_path):
-    """Each stand-in start takes 10 s and each pass 30 s: a budget of 200 s stops before what
-    would end past it (exit 3); each call with --resume runs the next passes, none twice."""
+    """Each stand-in start takes 10 s and each pass 20 ms per decode step (82 s for long): a budget
+    of 150 s stops before what would end past it, workloads not yet timed included (exit 3); each
+    call with --resume runs the next passes, none twice."""
     out = tmp_path / "t.json"
-    args = [*SPACE_ARGS, "--resume", "--time-budget", "200", "--out", str(out)]
+    args = [*SPACE_ARGS, "--resume", "--time-budget", "150", "--out", str(out)]
     calls, total = 0, []
     while True:
-        asked, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=30.0)
+        asked, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
         rc = throughput.main(args)
         calls += 1
-        assert clock["t"] <= 200.0
+        assert clock["t"] <= 150.0
         total += [(v, c) for v, c in asked if c.startswith("pass")]
         if rc == 0:
             break
         assert rc == throughput.EXIT_INCOMPLETE and not json.loads(out.read_text())["complete"]
-        assert calls < 12
+        assert calls < 20
     d = json.loads(out.read_text())
     assert d["complete"] and calls > 2 and len(d["resumed_from"]) == calls - 1
     assert len(total) == len(set(total)) == 3 * (3 + 3 + 2 + 2) + 3  # every pass once, none repeated
