@@ -183,13 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         run_stock(rest)
         return 0
+    from true_on_policy import tiny_model
     from true_on_policy.contract import UnknownContractError, get_contract
     from true_on_policy.contract.launch_plan import build_plan
     from true_on_policy.contract.policy import PolicyError
 
     try:
         contract = get_contract(own["contract"])
-        plan = build_plan(contract, rest)
+        plan = build_plan(contract, rest, default_model=tiny_model.ensure)  # no --model-path: the embedded model
     except (UnknownContractError, PolicyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

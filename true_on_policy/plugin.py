@@ -44,6 +44,7 @@ def process_role() -> str:
 
 
 def _register() -> None:
+    from true_on_policy.contract.launch_plan import add_rl_target
     from true_on_policy.contract.policy import RuntimePolicy
 
     policy = RuntimePolicy.from_env(process_role())
@@ -68,13 +69,6 @@ def install_main_process(policy) -> list:
     install_validation(policy)
     return [request_contract.apply(policy), seeds.apply(policy), weights.apply_main(policy),
             weight_updates.apply_main(policy)]
-
-
-def add_rl_target(name: str) -> None:
-    from sglang.srt.server_args import RL_ON_POLICY_TARGET_CHOICES, add_rl_on_policy_target_choices
-
-    if name not in RL_ON_POLICY_TARGET_CHOICES:
-        add_rl_on_policy_target_choices([name])
 
 
 def install_validation(policy) -> None:

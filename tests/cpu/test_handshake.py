@@ -153,7 +153,7 @@ def hf_model(tiny_cache):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
 
     return AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16).eval()
 

@@ -103,9 +103,11 @@ from sglang.srt.entrypoints import http_server
 from sglang.srt.utils.auth import AuthLevel
 from launch import server
 from true_on_policy.contract import get_contract
+from true_on_policy import tiny_model
 from true_on_policy.contract.launch_plan import build_plan
 
-plan = build_plan(get_contract("qwen3_moe_true_on_policy_v1"), ["--api-key", "SECRET123", "--admin-api-key=ADMIN456"])
+plan = build_plan(get_contract("qwen3_moe_true_on_policy_v1"), ["--api-key", "SECRET123", "--admin-api-key=ADMIN456"],
+                  default_model=tiny_model.ensure)
 MODE = "__MODE__"
 
 def fake_launch_server(server_args, **kwargs):

@@ -24,8 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from true_on_policy import megatron as tm  # noqa: E402
-from true_on_policy import trainer  # noqa: E402
-from true_on_policy.harness import tiny_model  # noqa: E402
+from true_on_policy import tiny_model, trainer  # noqa: E402
 from true_on_policy.megatron import config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent

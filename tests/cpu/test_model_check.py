@@ -174,12 +174,12 @@ def test_tp_sharding_problems_reach_the_engine_plan(tiny_cache, clean_env, tmp_p
     assert build_plan_from_kwargs(preview, {"model_path": path, "tp_size": 2}).server_args.tp_size == 2
 
 
-@pytest.mark.parametrize("geometry", sorted(__import__("true_on_policy.harness.tiny_model",
+@pytest.mark.parametrize("geometry", sorted(__import__("true_on_policy.tiny_model",
                                                        fromlist=["GEOMETRIES"]).GEOMETRIES))
 def test_every_built_geometry_passes_the_model_check(geometry):
     """The checkpoints the GPU runs build (tiny_model) are accepted at TP 1, and at TP 2 (preview)
     where their heads shard; a refusal would only surface on the GPU host."""
-    from true_on_policy.harness.tiny_model import GEOMETRIES
+    from true_on_policy.tiny_model import GEOMETRIES
 
     spec = {k: v for k, v in GEOMETRIES[geometry].items() if k != "seed"}
     cfg = Qwen3MoeConfig(**spec, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)

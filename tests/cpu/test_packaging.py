@@ -36,7 +36,7 @@ def test_tiny_checkpoint_builds_once_and_loads(tiny_cache):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
 
     path = tiny_model.ensure("embedded")
     assert tiny_model.ensure("embedded") == path

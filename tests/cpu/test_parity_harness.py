@@ -2,6 +2,7 @@
 a stand-in; the GPU runs are in tests/gpu/regenerate_evidence.sh)."""
 
 import pytest
+
 from true_on_policy.harness import parity
 
 
@@ -84,7 +85,7 @@ def test_patched_response_logprobs_equal_each_whole_sequence_slice(tiny_cache):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.trainer import patch_hf_model, token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16).eval()

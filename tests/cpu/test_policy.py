@@ -1,14 +1,18 @@
 """Runtime policy against the real, installed sglang 0.5.17 (resolution needs no GPU)."""
 
 import json
+from functools import partial
 
 import pytest
 
-from true_on_policy.contract import get_contract
-from true_on_policy.contract.launch_plan import build_plan, build_plan_from_kwargs
+from true_on_policy import tiny_model
+from true_on_policy.contract import get_contract, launch_plan
 from true_on_policy.contract.policy import PolicyError, check_env, check_model, check_versions
 
 C = get_contract("qwen3_moe_true_on_policy_v1")
+# as the launchers call them: without --model-path / model_path, the embedded model
+build_plan = partial(launch_plan.build_plan, default_model=tiny_model.ensure)
+build_plan_from_kwargs = partial(launch_plan.build_plan_from_kwargs, default_model=tiny_model.ensure)
 
 
 def _subjects(err: PolicyError) -> set[str]:
@@ -23,6 +27,15 @@ def test_valid_plan_resolves_forced_args(tiny_cache, clean_env):
         if rule.forced:
             assert getattr(sa, rule.dest) == rule.force, rule.dest
     assert plan.env["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_without_a_model_path_or_a_default_model_the_plan_names_the_flag(clean_env):
+    """The contract layer builds no checkpoint: the embedded model is the launchers' default,
+    handed down; without one, a missing --model-path is a refusal naming the flag."""
+    for plan in (lambda: launch_plan.build_plan(C, []), lambda: launch_plan.build_plan_from_kwargs(C, {})):
+        with pytest.raises(PolicyError) as e:
+            plan()
+        assert _subjects(e.value) == {"--model-path"}, str(e.value)
 
 
 @pytest.mark.parametrize("argv, subject", [

@@ -175,8 +175,8 @@ def _actor_with(fake):
 
 
 def test_weight_wrappers_forward_and_fail_loudly(ray_mod, tiny_cache):
+    from true_on_policy import tiny_model
     from true_on_policy.contract.policy import PolicyError
-    from true_on_policy.harness import tiny_model
 
     fake = _FakeSGLang()
     eng = _actor_with(fake)
@@ -258,7 +258,7 @@ def test_checkpoint_names_and_values_are_the_saved_checkpoints(tiny_cache, tmp_p
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.rollout.actor import checkpoint_named_tensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model.ensure(), dtype=torch.bfloat16)

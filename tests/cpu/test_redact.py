@@ -90,7 +90,7 @@ def test_list_with_non_strings_and_objects():
 def test_server_args(tiny_cache):
     from sglang.srt.server_args import ServerArgs
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
 
     path = tiny_model.ensure("embedded")
     sa = ServerArgs(model_path=path, device="cpu", api_key=SECRET, admin_api_key=SECRET + "2", max_total_tokens=64,

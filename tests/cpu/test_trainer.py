@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from true_on_policy.harness import tiny_model
+from true_on_policy import tiny_model
 from true_on_policy.trainer import TrainerPatchError, patch_hf_model, right_pad, token_logprobs, unpatch_hf_model
 
 

@@ -62,7 +62,7 @@ def test_rollout_equals_trainer_on_issue13_layouts(geometry, tiny_cache, gpu_evi
 
     import torch
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.harness.parity import make_prompts
 
     path = tiny_model.ensure(geometry)

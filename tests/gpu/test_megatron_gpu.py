@@ -83,8 +83,8 @@ def test_megatron_tp1_rollout_parity_step_and_weight_push(tiny_cache, one_gpu_me
     from transformers import AutoConfig
 
     from true_on_policy import megatron as tm
-    from true_on_policy.harness import tiny_model
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy import tiny_model
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     path = tiny_model.ensure("embedded")
     model = tm.build_model(AutoConfig.from_pretrained(path)).cuda()
@@ -113,8 +113,8 @@ def test_megatron_tp1_rollout_parity_step_and_weight_push(tiny_cache, one_gpu_me
 def test_megatron_two_gpu_layouts_vs_rollout(tiny_cache, tmp_path, gpu_evidence, rollout_tp):
     import torch
 
-    from true_on_policy.harness import tiny_model
-    from true_on_policy.engine import TrueOnPolicyEngine
+    from true_on_policy import tiny_model
+    from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")

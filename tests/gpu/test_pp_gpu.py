@@ -87,7 +87,7 @@ def _stages(manifests):
 
 
 def test_pp2_rollout_equals_the_one_gpu_trainer(tiny_cache, gpu_evidence):
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.harness.parity import make_prompts
 
     path = tiny_model.ensure("wide")  # 4 layers: 2 + 2
@@ -106,7 +106,7 @@ def test_pp2_rollout_equals_the_one_gpu_trainer(tiny_cache, gpu_evidence):
 
 @pytest.mark.parametrize("partition", ["3,2", None])
 def test_uneven_pp2_split_with_a_long_prompt(partition, tiny_cache, gpu_evidence, monkeypatch):
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.harness.parity import make_prompts
 
     if partition is None:
@@ -151,7 +151,7 @@ def _checkpoint_tensors(path: str, device="cuda"):
 def test_pp2_weight_updates_keep_parity(tiny_cache, gpu_evidence, tmp_path):
     import torch
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.harness.parity import make_prompts
 
     base = tiny_model.ensure("wide")

@@ -32,7 +32,7 @@ def cluster(tiny_cache):
 
 @pytest.fixture(scope="module")
 def actor(cluster):
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.rollout.ray import RolloutEngine
 
     Actor = RolloutEngine.remote_class(num_gpus=1, runtime_env_base={"env_vars": cluster})
@@ -49,7 +49,7 @@ def trainer(actor):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.trainer import patch_hf_model
 
     actor_gpu = int(ray.get(actor.gpu_ids.remote())[0])
@@ -113,7 +113,7 @@ def test_actor_starts_under_the_contract_and_matches_the_trainer(actor, trainer,
 
 
 def test_update_from_disk_keeps_parity(actor, trainer, tmp_path, gpu_evidence):
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
 
     prompts, before = _rollout(actor)
     _perturb(trainer, seed=1)

@@ -48,7 +48,7 @@ def trainer(tiny_cache):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.trainer import patch_hf_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model.ensure("embedded"), dtype=torch.bfloat16).cuda().eval()

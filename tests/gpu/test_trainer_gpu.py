@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from true_on_policy.harness import tiny_model
+from true_on_policy import tiny_model
 from true_on_policy.trainer import patch_hf_model, right_pad, token_logprobs
 
 pytestmark = pytest.mark.gpu

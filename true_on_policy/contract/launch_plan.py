@@ -1,7 +1,8 @@
 """From a contract and the user's SGLang arguments to a validated launch plan — no GPU needed.
 
-``build_plan`` strips nothing (the launcher already removed its own flags); it fills in the
-embedded checkpoint when no ``--model-path`` is given, rejects user values that contradict a
+``build_plan`` strips nothing (the launcher already removed its own flags); when no ``--model-path``
+is given it asks the caller's ``default_model`` for one (the launchers hand down the embedded
+checkpoint's builder, ``true_on_policy.tiny_model.ensure``: this layer builds nothing), rejects user values that contradict a
 forced argument, appends the forced arguments, lets SGLang resolve the result
 (``prepare_server_args``) and validates the *resolved* object, the environment and the
 installed versions. The checkpoint is checked first (``true_on_policy.contract.model_check``: readable,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from true_on_policy import env
@@ -103,17 +105,34 @@ def user_conflicts(contract: Contract, given: dict, defaults: dict) -> list[Viol
     return out
 
 
-def build_plan(contract: Contract, user_argv: list[str], environ=None) -> LaunchPlan:
-    """Plan for the launcher: SGLang command-line arguments in, resolved ServerArgs out."""
-    from sglang.srt.server_args import prepare_server_args
+def add_rl_target(name: str) -> None:
+    """Make ``name`` (a contract's ``rl_on_policy_target``) one of SGLang's ``--rl-on-policy-target``
+    choices, in this process; idempotent."""
+    from sglang.srt.server_args import RL_ON_POLICY_TARGET_CHOICES, add_rl_on_policy_target_choices
 
-    from true_on_policy.plugin import add_rl_target
+    if name not in RL_ON_POLICY_TARGET_CHOICES:
+        add_rl_on_policy_target_choices([name])
+
+
+def _default_model(contract: Contract, default_model: Callable[[], str] | None) -> str:
+    if default_model is None:
+        raise PolicyError(contract.name, [Violation("--model-path", "no checkpoint given",
+                                                    "pass --model-path DIR, a downloaded checkpoint folder")])
+    return default_model()
+
+
+def build_plan(contract: Contract, user_argv: list[str], environ=None,
+               default_model: Callable[[], str] | None = None) -> LaunchPlan:
+    """Plan for the launcher: SGLang command-line arguments in, resolved ServerArgs out.
+    ``default_model``: returns the checkpoint to serve when ``user_argv`` has no ``--model-path``
+    (None: one is required)."""
+    from sglang.srt.server_args import prepare_server_args
 
     add_rl_target(contract.rl_on_policy_target)
     argv = list(user_argv)
     embedded = not has_model_path(argv)
     if embedded:
-        argv += ["--model-path", _embedded_model()]
+        argv += ["--model-path", _default_model(contract, default_model)]
     parser = sglang_parser()
     ns = parser.parse_args(argv)
     conflicts = user_conflicts(contract, vars(ns), vars(parser.parse_args(["--model-path", ns.model_path])))
@@ -124,17 +143,17 @@ def build_plan(contract: Contract, user_argv: list[str], environ=None) -> Launch
     return LaunchPlan(contract, argv, forced, server_args, embedded, dict(contract.required_env()))
 
 
-def build_plan_from_kwargs(contract: Contract, kwargs: dict, environ=None) -> LaunchPlan:
-    """Plan for the Python engine: ``sglang.Engine`` keyword arguments in, resolved ServerArgs out."""
+def build_plan_from_kwargs(contract: Contract, kwargs: dict, environ=None,
+                           default_model: Callable[[], str] | None = None) -> LaunchPlan:
+    """Plan for the Python engine: ``sglang.Engine`` keyword arguments in, resolved ServerArgs out.
+    ``default_model``: as for ``build_plan``, when ``kwargs`` has no ``model_path``."""
     from sglang.srt.server_args import ServerArgs
-
-    from true_on_policy.plugin import add_rl_target
 
     add_rl_target(contract.rl_on_policy_target)
     kwargs = dict(kwargs)
     embedded = kwargs.get("model_path") is None
     if embedded:
-        kwargs["model_path"] = _embedded_model()
+        kwargs["model_path"] = _default_model(contract, default_model)
     defaults = {f: getattr(ServerArgs, f) for f in kwargs if hasattr(ServerArgs, f)}
     conflicts = user_conflicts(contract, kwargs, defaults)
     forced = {r.dest: r.force for r in contract.args if r.forced}
@@ -142,12 +161,6 @@ def build_plan_from_kwargs(contract: Contract, kwargs: dict, environ=None) -> La
     server_args = _resolve(contract, kwargs["model_path"], conflicts, environ,
                            lambda: ServerArgs(**merged), lambda: _defaults_with(merged))
     return LaunchPlan(contract, [], forced, server_args, embedded, dict(contract.required_env()))
-
-
-def _embedded_model() -> str:
-    from true_on_policy.harness import tiny_model
-
-    return tiny_model.ensure("embedded")
 
 
 def _defaults_with(kwargs: dict) -> argparse.Namespace:
@@ -164,7 +177,7 @@ def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
     partition = environ.get(env.PP_LAYER_PARTITION.name)
     cfg, model = model_problems(contract, model_path, getattr(ns, "tp_size", 1), getattr(ns, "ep_size", 1),
                                 getattr(ns, "pp_size", 1), partition)
-    early = check_versions(contract) + check_plugin() + check_env(contract, environ) + _violations(model)
+    early = check_versions(contract) + check_plugin() + check_env(contract, environ) + violations_of(model)
     if early:  # the model is unreadable or refused: report it with what can be checked without SGLang
         raise PolicyError(contract.name, early + conflicts + check_args(contract, ns))
     saved = env.save()  # SGLang's resolution writes os.environ (NCCL_ALGO at TP > 1): undone on refusal
@@ -174,7 +187,7 @@ def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
         env.restore_saved(saved)
         raise PolicyError(contract.name, conflicts + [Violation("sglang", f"refused the arguments ({e})",
                                                                 "fix the argument it names")]) from e
-    violations = conflicts + check_args(contract, server_args) + check_resolved(contract, server_args) + _violations(
+    violations = conflicts + check_args(contract, server_args) + check_resolved(contract, server_args) + violations_of(
         check_sharding(cfg, server_args.tp_size, server_args.ep_size)  # the resolved layout
         + check_pipeline(cfg, server_args.pp_size, partition))
     if violations:
@@ -183,7 +196,8 @@ def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
     return server_args
 
 
-def _violations(problems) -> list[Violation]:
+def violations_of(problems) -> list[Violation]:
+    """``model_check`` problems as the ``Violation`` entries of a ``PolicyError``."""
     return [Violation(p.subject, p.found, p.fix) for p in problems]
 
 

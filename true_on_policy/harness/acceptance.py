@@ -245,8 +245,8 @@ def run(geometry="embedded", small=False, folder=None, resume=False, contract=No
     phases already there that ran from the same source (a run cut short by a time limit continues
     where it stopped); each phase's provenance is kept under ``phases``. ``contract``: the overlay's
     phases and the patched trainer run under it (default: true_on_policy.DEFAULT_CONTRACT)."""
+    from true_on_policy import tiny_model
     from true_on_policy.contract import get_contract
-    from true_on_policy.harness import tiny_model
     from true_on_policy.harness.parity import compare, trainer_logprobs
 
     name = _contract_name(contract)

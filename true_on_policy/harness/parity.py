@@ -179,10 +179,9 @@ def compare(rollout_lps: list[list[float]], trainer_lps) -> dict:
 
 
 def run(args) -> dict:
-    from true_on_policy import DEFAULT_CONTRACT, env
+    from true_on_policy import DEFAULT_CONTRACT, env, tiny_model
     from true_on_policy.contract import get_contract
     from true_on_policy.contract.policy import read_architectures
-    from true_on_policy.harness import tiny_model
 
     model_path = args.model_path or tiny_model.ensure(args.geometry)
     cfg = json.loads((Path(model_path) / "config.json").read_text())

@@ -54,7 +54,7 @@ def run(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.harness import tiny_model
+    from true_on_policy import tiny_model
     from true_on_policy.harness.parity import make_prompts, sampled
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
     from true_on_policy.trainer import check_rollout, patch_hf_model, right_pad, token_logprobs

@@ -37,7 +37,7 @@ def cuda_available() -> bool:
 
 class TrueOnPolicyEngine:
     def __init__(self, *, contract: str = DEFAULT_CONTRACT, keep_manifests: bool = False, **sglang_kwargs):
-        from true_on_policy import manifest, reaper
+        from true_on_policy import manifest, reaper, tiny_model
         from true_on_policy.contract import get_contract
         from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs, exported_env
 
@@ -47,7 +47,7 @@ class TrueOnPolicyEngine:
         try:
             self.contract = get_contract(contract)
             sglang_kwargs.setdefault("log_level", "error")
-            self.plan = build_plan_from_kwargs(self.contract, sglang_kwargs)
+            self.plan = build_plan_from_kwargs(self.contract, sglang_kwargs, default_model=tiny_model.ensure)
             if not cuda_available():  # SGLang would start and take this interpreter down with it
                 raise NoGPUError(NO_GPU)
             self.manifest_dir = manifest.new_run_dir()

@@ -137,13 +137,13 @@ class RolloutEngine:
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None):
         """Reload from ``model_path``, after the same model check as at start (refused: nothing changes)."""
-        from true_on_policy.contract.launch_plan import _violations
+        from true_on_policy.contract.launch_plan import violations_of
         from true_on_policy.contract.policy import PolicyError, model_problems
 
         sa = self.engine.server_args
         _, problems = model_problems(self.engine.contract, model_path, sa.tp_size, sa.ep_size)
         if problems:
-            raise PolicyError(self.engine.contract.name, _violations(problems))
+            raise PolicyError(self.engine.contract.name, violations_of(problems))
         return checked(self.engine.engine.update_weights_from_disk(model_path, load_format=load_format),
                        "update_weights_from_disk")
 
