@@ -161,7 +161,7 @@ class _Variant:
 class Run:
     """The passes of one run and what its evidence says of them."""
 
-    def __init__(self, a, model_path, prov, geometry=None):
+    def __init__(self, a, model_path, prov, geometry=None, t0=None):
         self.a, self.model_path, self.prov, self.geometry = a, model_path, prov, geometry
         self.workloads = list(dict.fromkeys(a.workload))
         with open(os.path.join(model_path, "config.json")) as f:
@@ -170,7 +170,7 @@ class Run:
                       for w in self.workloads}
         self.passes = {w: {v: [] for v in a.variants if runs(v, w)} for w in self.workloads}
         self.engines, self.starts, self.failed, self.mems, self.earlier = {}, [], {}, {}, []
-        self.t0 = _now()
+        self.t0 = _now() if t0 is None else t0  # --time-budget counts from here
 
     def per_round(self, w: str) -> int:
         return self.a.passes or (wl.get(w).passes if self.a.one_engine else 1)
@@ -387,11 +387,12 @@ def main(argv=None) -> int:
     from true_on_policy.harness.provenance import provenance
 
     _exit_on_sigterm()
+    t0 = _now()  # the budget counts the checkpoint's build too
     prov = provenance(None if argv is None else ["python", "benchmarks/throughput.py", *argv])
     model_path = a.model_path or geometries.ensure(a.geometry, room=a.make_room)
     if a.generation_config:
         model_path = with_generation_config(model_path, a.generation_config)
-    run = Run(a, model_path, prov, None if a.model_path else geometries.describe(a.geometry))
+    run = Run(a, model_path, prov, None if a.model_path else geometries.describe(a.geometry), t0)
     if a.resume and os.path.exists(a.out):
         with open(a.out) as f:
             prev = json.load(f)

@@ -726,3 +726,18 @@ def test_step_ops_reads_a_real_torch_profiler_trace(tmp_path):
     assert r["step_windows"] == 2 and set(r["watched_per_step"]["sort"]) == {"aten::sort"}
     assert 2 * r["watched_per_step"]["sort"]["aten::sort"] == all_sorts * 2 / 3
     assert r["watched_per_step"]["host sync"]["aten::item"] == 1.0
+
+
+def test_the_time_budget_counts_the_checkpoint_build(monkeypatch, tmp_path):
+    """On a fresh host the checkpoint is built again before anything runs: that time counts."""
+    out = tmp_path / "t.json"
+    args = [*SPACE_ARGS, "--resume", "--time-budget", "150", "--out", str(out)]
+    _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+    assert throughput.main(args) == throughput.EXIT_INCOMPLETE
+    for build_s, ran in ((100.0, False), (0.0, True)):
+        asked, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+        model = geometries.ensure("h3072e64k4")
+        monkeypatch.setattr(geometries, "ensure", lambda name, room=False, b=build_s, c=clock, m=model: (
+            c.__setitem__("t", c["t"] + b), m)[1])
+        assert throughput.main(args) == throughput.EXIT_INCOMPLETE
+        assert clock["t"] <= 150.0 and bool(starts) == ran  # after a 100 s build, the next start does not fit
