@@ -191,11 +191,11 @@ class _SchedState:
     inconsistent: str | None = None
 
 
+_SCHED: dict[int, _SchedState] = {}  # id(WeightUpdater) -> state (WeightUpdater has __slots__, no __dict__)
+
+
 def _sched_state(updater) -> _SchedState:
-    st = updater.__dict__.get(_ATTR)
-    if st is None:
-        st = updater.__dict__.setdefault(_ATTR, _SchedState())
-    return st
+    return _SCHED.setdefault(id(updater), _SchedState())
 
 
 def _inconsistent(updater, why: str) -> str:

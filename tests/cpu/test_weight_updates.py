@@ -74,7 +74,9 @@ def test_tensor_updates_are_a_subset_with_the_running_shapes_and_dtypes(tmp_path
 
 
 class _Updater:
-    """A WeightUpdater's fields the scheduler wrappers read."""
+    """A WeightUpdater's fields the scheduler wrappers read (slotted, as SGLang's dataclass is)."""
+
+    __slots__ = ("model_config", "device", "tp_rank")
 
     def __init__(self, path):
         self.model_config = types.SimpleNamespace(model_path=str(path))
