@@ -5,7 +5,9 @@ Thin by design: strip our flags, build and validate the launch plan, export the 
 add the manifest route, hand the resolved arguments to SGLang's own ``launch_server``. Without
 ``--true-on-policy`` this is exactly ``python -m sglang.launch_server`` (the overlay is inert).
 
-``-h`` / ``--help`` prints our flags, then SGLang's own help, and exits (building nothing).
+``-h`` / ``--help`` prints our flags, then SGLang's own help, and exits (building no checkpoint;
+SGLang's part is rendered once per SGLang install and cached, ``launch.help_text``). ``--help`` and
+``--dry-run`` print none of the platform warnings a host without CUDA gets (``PLATFORM_NOISE``).
 Our flags: ``--true-on-policy`` turns the overlay on; ``--true-on-policy-contract NAME`` picks the
 contract; ``--dry-run`` prints the validated plan (secrets as ``<redacted>``) and exits;
 ``--true-on-policy-keep-manifests`` keeps the run's manifest folder after exit (default: removed;
@@ -25,18 +27,29 @@ logger = logging.getLogger("true_on_policy")
 MANIFEST_ROUTE = "/true_on_policy/manifest"
 
 
-OWN_HELP = """\
-true-on-policy overlay (python -m launch.server): our flags, then SGLang's own (below).
+# What SGLang and torch print on a host without CUDA (no GPU Triton, no AWQ/GGUF kernels, no CUDA
+# runtime): platform facts, nothing a --help or --dry-run user can act on. Only such a host prints them.
+PLATFORM_NOISE = (
+    "Triton is not supported on current platform",
+    "Only CUDA, HIP and XPU support AWQ",
+    "Only CUDA, MUSA and NPU support GGUF",
+    "No CUDA runtime is found",
+)
 
-  --true-on-policy                  turn the overlay on; without it this is exactly
-                                    python -m sglang.launch_server
-  --true-on-policy-contract NAME    the contract to enforce (default {default};
-                                    known: {known})
-  --dry-run                         with --true-on-policy: validate the plan (flags, environment,
-                                    versions, checkpoint), print it as JSON and exit; no GPU needed
-  --true-on-policy-keep-manifests   keep the run's manifest folder after exit (default: removed;
-                                    also TRUE_ON_POLICY_KEEP_MANIFESTS=1)
-"""
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(text in record.getMessage() for text in PLATFORM_NOISE)
+
+
+def quiet_platform_noise() -> None:
+    """Silence ``PLATFORM_NOISE`` (Python warnings and the torch logger's line) in this process;
+    idempotent."""
+    import re
+    import warnings
+
+    for text in PLATFORM_NOISE:
+        warnings.filterwarnings("ignore", message=re.escape(text))
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_not_noise)
 
 
 class UsageError(ValueError):
@@ -52,12 +65,14 @@ def _contract_name(value: str) -> str:
 
 
 def print_help() -> None:
-    """Our flags, then SGLang's own help; builds nothing, reads no checkpoint."""
-    from true_on_policy.contract import known_contracts
-    from true_on_policy.contract.launch_plan import sglang_parser
+    """Our flags, then SGLang's own help (``launch.help_text``: rendered once per SGLang install, then
+    read from the cache folder); builds no checkpoint, reads no checkpoint."""
+    from launch import help_text
+    from true_on_policy import tiny_model
 
-    print(OWN_HELP.format(default=DEFAULT_CONTRACT, known=", ".join(known_contracts())))
-    sglang_parser().print_help()
+    print(help_text.own_help(), flush=True)
+    quiet_platform_noise()  # when SGLang's parser has to be built
+    print(help_text.sglang_help(tiny_model.cache_root()), end="")
 
 
 def split_own_flags(argv: list[str]) -> tuple[dict, list[str]]:
@@ -188,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     from true_on_policy.contract.launch_plan import build_plan
     from true_on_policy.contract.policy import PolicyError
 
+    quiet_platform_noise()  # printed only where there is no GPU: the dry run's host, or a refused launch
     try:
         contract = get_contract(own["contract"])
         plan = build_plan(contract, rest, default_model=tiny_model.ensure)  # no --model-path: the embedded model

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, run_py
 
 # the default contract (qwen3_moe_true_on_policy_flat_v1) and its fingerprint, pinned: a change must be deliberate
 DEFAULT, FP = "qwen3_moe_true_on_policy_flat_v1", "bf0f9c647a8e0e370ae4089ed2a494a8fc564ef17a2d799bb8410c17337b810a"
@@ -29,6 +29,9 @@ def test_dry_run_accepts_a_valid_plan(tiny_cache):
     assert plan["resolved"]["attention_backend"] == "triton" and plan["resolved"]["tp_size"] == 1
     assert plan["env"]["NCCL_NVLS_ENABLE"] == "0"
     assert "--disable-custom-all-reduce" in plan["argv"]
+    from launch.server import PLATFORM_NOISE
+
+    assert not [n for n in PLATFORM_NOISE if n in r.stderr], r.stderr[-3000:]  # a CPU host's warnings, filtered
 
 
 def test_dry_run_rejects_a_bad_plan_listing_everything(tiny_cache):
@@ -70,6 +73,8 @@ def test_dry_run_refuses_pp_layouts_the_model_cannot_split(tiny_cache):
     assert r.returncode == 2 and "sums to 3, the model has 2 decoder layers" in r.stderr
     r = _launch("--true-on-policy", "--dry-run", "--pp-size", "2")  # the default contract: PP is the preview's
     assert r.returncode == 2 and "--pp-size: 2" in r.stderr
+    assert ("--true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1, which allows --pp-size 2"
+            in r.stderr), r.stderr[-2000:]  # the refusal names the contract that routes PP
 
 
 def test_unknown_contract(tiny_cache):
@@ -135,13 +140,26 @@ def test_argparse_error_does_not_echo_a_secret(tiny_cache, clean_env, capsys):
 OUR_FLAGS = ("--true-on-policy", "--true-on-policy-contract", "--dry-run", "--true-on-policy-keep-manifests")
 
 
-def test_help_lists_our_flags_then_sglangs():
-    r = _launch("--help")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_help_lists_our_flags_then_sglangs_quietly_and_fast_once_cached(tmp_path):
+    """The first --help renders SGLang's parser (and prints none of a CPU host's platform warnings);
+    a second one reads the same text from the cache folder and imports neither SGLang nor torch.
+    --model-path is optional in the usage line: under the overlay the embedded model stands in."""
+    cache = {"TRUE_ON_POLICY_CACHE": str(tmp_path)}
+    r = _launch("--help", env_extra=cache)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
     ours, _, sglang = r.stdout.partition("usage: python -m launch.server")
     for flag in OUR_FLAGS:
         assert f"  {flag} " in ours, ours
     assert "--model-path" in sglang and "--tp-size" in sglang  # SGLang's own help follows
+    assert sglang.startswith(" [-h] [--model-path MODEL_PATH]"), sglang[:200]
+    assert "optional; omitted, the overlay serves its embedded" in " ".join(sglang.split())
+    assert [p.parent.name for p in tmp_path.glob("*/*.txt")] == ["sglang-help"]
+    code = ("import sys; from launch.server import main; rc = main(['--help']); "
+            "print('IMPORTED', sorted(m for m in ('sglang', 'torch') if m in sys.modules), file=sys.stderr); "
+            "sys.exit(rc)")
+    again = run_py(code, env_extra=cache)
+    assert again.returncode == 0 and again.stdout == r.stdout, again.stderr[-3000:]
+    assert again.stderr == "IMPORTED []\n", again.stderr[-3000:]
 
 
 def test_help_with_true_on_policy_builds_nothing(clean_env, tmp_path, capsys):
@@ -151,7 +169,7 @@ def test_help_with_true_on_policy_builds_nothing(clean_env, tmp_path, capsys):
     assert main(["--true-on-policy", "--help"]) == 0
     out = capsys.readouterr().out
     assert all(f"  {flag} " in out for flag in OUR_FLAGS) and "--model-path" in out
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["sglang-help"]  # SGLang's help text only, no checkpoint
 
 
 @pytest.mark.parametrize("argv", [["--true-on-policy-contract"], ["--true-on-policy-contract", "--dry-run"],
@@ -182,6 +200,7 @@ import json, sys
 from transformers import Qwen3MoeConfig
 from true_on_policy.contract import get_contract
 from true_on_policy.contract.launch_plan import build_plan
+from true_on_policy.tiny_model import build_tokenizer
 geoms = {"Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                moe_intermediate_size=768),
          "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
@@ -192,6 +211,7 @@ for name, g in geoms.items():
     Qwen3MoeConfig(vocab_size=151936, intermediate_size=6144, head_dim=128, num_experts=128, num_experts_per_tok=8,
                    max_position_embeddings=40960, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
                    **g).save_pretrained(folder)
+    build_tokenizer(folder)  # a checkpoint folder holds its tokenizer (config and tokenizer: no weights)
     for lay in json.loads(sys.argv[2]):
         plan = build_plan(get_contract("qwen3_moe_true_on_policy_tp_preview_v1"), ["--model-path", folder, *lay])
         sa = plan.server_args
@@ -245,3 +265,73 @@ def test_the_prefill_graph_preview_leaves_prefill_graphs_to_sglang_and_judges_wh
     r = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
                 "tc_piecewise")
     assert r.returncode == 2 and "--cuda-graph-backend-prefill" in r.stderr and "Traceback" not in r.stderr
+
+
+def _dry_run(capsys, *argv) -> tuple[int, str, str]:
+    from launch.server import main
+
+    rc = main(["--true-on-policy", "--dry-run", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_sglangs_own_refusal_is_named_in_the_same_list_as_ours(tiny_cache, clean_env, capsys):
+    """--dp-size 2 --enable-dp-attention fails SGLang's bare ``assert self.tp_size % self.dp_size == 0``
+    (under ``if enable_dp_attention``): the problem names the three flags with the values SGLang saw,
+    listed with the contract's own findings on the same command line (fp8 KV cache, both DP flags)."""
+    rc, _, err = _dry_run(capsys, "--dp-size", "2", "--enable-dp-attention", "--kv-cache-dtype", "fp8_e4m3")
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    lines = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
+    assert "4 violation(s)" in err and len(lines) == 4, err[-3000:]
+    assert {line.split(":")[0] for line in lines} == {
+        "--kv-cache-dtype", "--dp-size", "--enable-dp-attention", "--enable-dp-attention / --tp-size / --dp-size"}
+    [sglang] = [line for line in lines if line.startswith("--enable-dp-attention / ")]
+    assert ("SGLang refuses them together: with --enable-dp-attention True, its check `tp_size % dp_size == 0` "
+            "fails (--tp-size 1, --dp-size 2)") in sglang, sglang
+    assert "refused the arguments ()" not in err
+
+
+def _checkpoint_without_tokenizer(tmp_path) -> str:
+    from true_on_policy import tiny_model
+
+    embedded = tiny_model.ensure("embedded")
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for f in os.listdir(embedded):
+        if f == "config.json" or f.endswith(".safetensors"):
+            os.symlink(os.path.join(embedded, f), folder / f)
+    return str(folder)
+
+
+def test_checkpoint_without_tokenizer_files_is_refused_unless_skip_tokenizer_init(tiny_cache, clean_env, tmp_path,
+                                                                                   capsys):
+    """Weights and config without a tokenizer would load and then fail: refused before any GPU work,
+    in the same list as the other problems; --skip-tokenizer-init (token ids in and out) or a
+    --tokenizer-path holding the files is accepted; a --tokenizer-path that is not a folder is refused."""
+    from true_on_policy import tiny_model
+
+    bare = _checkpoint_without_tokenizer(tmp_path)
+    rc, _, err = _dry_run(capsys, "--model-path", bare, "--attention-backend", "fa3")
+    assert rc == 2 and "2 violation(s)" in err, err[-3000:]
+    assert f"--model-path: {bare!r} has no tokenizer files (tokenizer.json or vocab.json + merges.txt" in err
+    assert "--skip-tokenizer-init" in err and "--attention-backend" in err
+    rc, out, err = _dry_run(capsys, "--model-path", bare, "--skip-tokenizer-init")
+    assert rc == 0 and json.loads(out)["model_path"] == bare, err[-3000:]
+    rc, out, err = _dry_run(capsys, "--model-path", bare, "--tokenizer-path", tiny_model.ensure("embedded"))
+    assert rc == 0, err[-3000:]
+    rc, _, err = _dry_run(capsys, "--model-path", bare, "--tokenizer-path", str(tmp_path / "absent"))
+    assert rc == 2 and "--tokenizer-path: " in err and "is not a local folder" in err, err[-3000:]
+
+
+def test_the_ray_install_hint_works_outside_a_checkout(monkeypatch):
+    """Without Ray, importing the Ray actor says how to install it: the pinned version of the package's
+    ``ray`` extra, as a plain ``pip install`` (an extra of this package resolves only from a checkout)."""
+    import importlib
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    monkeypatch.delitem(sys.modules, "true_on_policy.rollout.ray", raising=False)
+    with pytest.raises(ImportError) as e:
+        importlib.import_module("true_on_policy.rollout.ray")
+    assert str(e.value).endswith(f"needs Ray, which is not installed: pip install {extra[0]}"), str(e.value)

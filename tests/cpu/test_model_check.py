@@ -44,7 +44,11 @@ VARIANTS = [
 
 
 def _checkpoint(tmp_path, cfg: dict) -> str:
+    """A checkpoint folder as the launcher reads it: config.json and the tokenizer's files (no weights)."""
+    from true_on_policy import tiny_model
+
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tiny_model.build_tokenizer(tmp_path)
     return str(tmp_path)
 
 

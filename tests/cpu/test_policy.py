@@ -185,3 +185,129 @@ def test_model_source_flags_are_refused_at_launch_in_one_message(tiny_cache, cle
         build_plan(C, ["--json-model-override-args", '{"num_experts_per_tok": 1}', "--load-format", "dummy",
                        "--model-impl", "transformers"])
     assert {"--json-model-override-args", "--load-format", "--model-impl"} <= _subjects(e.value)
+
+
+# Stands in for SGLang's ServerArgs under resolution (its checks read ``self.<field>``); loaded from a
+# file of its own, as SGLang's is, so that pytest's assertion rewriting leaves its asserts bare.
+ARGS_SOURCE = """
+class Args:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def resolve(self):
+        if self.enable_dp_attention:
+            if self.dp_size > 1:
+                assert self.tp_size % self.dp_size == 0
+
+    def resolve_with_message(self):
+        assert self.ep_size <= self.tp_size, "ep_size must not exceed tp_size"
+"""
+
+
+def _args_class(tmp_path):
+    import importlib.util
+
+    (tmp_path / "resolving_args.py").write_text(ARGS_SOURCE)
+    spec = importlib.util.spec_from_file_location("resolving_args", tmp_path / "resolving_args.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Args
+
+
+def _raised(call) -> BaseException:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the refusal under test
+        return e
+    raise AssertionError("no refusal")
+
+
+def test_a_bare_sglang_assert_names_the_flags_it_reads_and_the_ifs_around_it(tmp_path):
+    """The failed condition is read from the source, the enclosing ``if`` conditions too; every
+    argument they read is named with the value the check saw (``self``), not the one given."""
+    from argparse import Namespace
+
+    from true_on_policy.contract.sglang_refusal import sglang_refusal
+
+    Args = _args_class(tmp_path)
+    given = Namespace(tp_size=1, dp_size=2, ep_size=1, enable_dp_attention=True)
+    seen = Args(tp_size=3, dp_size=2, ep_size=1, enable_dp_attention=True)  # resolution changed tp_size
+    v = sglang_refusal(_raised(seen.resolve), given)
+    assert v.subject == "--enable-dp-attention / --dp-size / --tp-size", v
+    assert v.found == ("SGLang refuses them together: with --enable-dp-attention True, --dp-size 2, its check "
+                       "`tp_size % dp_size == 0` fails (--tp-size 3, --dp-size 2)"), v.found
+    assert "`tp_size % dp_size == 0` holds" in v.fix
+    v = sglang_refusal(_raised(Args(ep_size=4, tp_size=2).resolve_with_message), given)
+    assert v.subject == "--ep-size / --tp-size" and v.found.endswith("(--ep-size 4, --tp-size 2): ep_size must not "
+                                                                     "exceed tp_size"), v
+
+
+def test_any_other_sglang_refusal_names_the_flags_its_message_mentions():
+    from argparse import Namespace
+
+    from true_on_policy.contract.sglang_refusal import sglang_refusal
+
+    given = Namespace(tp_size=1, dp_size=2, speculative_algorithm=None, port=1)
+    v = sglang_refusal(ValueError("--dp-size 2 needs\n speculative_algorithm unset (port is fine)"), given)
+    assert v.subject == "--dp-size / --speculative-algorithm", v  # "port" alone is a word, not a field name
+    assert v.found == "SGLang refused the arguments (ValueError: --dp-size 2 needs speculative_algorithm unset " \
+                      "(port is fine))"
+    v = sglang_refusal(RuntimeError(), given)
+    assert v.subject == "sglang" and "no message" in v.found
+
+
+def test_sglangs_refusal_comes_with_every_rule_of_ours_the_arguments_break(tiny_cache, clean_env):
+    """In process, as the engine plans: SGLang's resolution raises (DP attention at TP 1), and the
+    one PolicyError also lists the contract's own refusals of the same arguments."""
+    with pytest.raises(PolicyError) as e:
+        build_plan_from_kwargs(C, {"dp_size": 2, "enable_dp_attention": True, "kv_cache_dtype": "fp8_e4m3"})
+    assert _subjects(e.value) == {"--kv-cache-dtype", "--dp-size", "--enable-dp-attention",
+                                  "--enable-dp-attention / --tp-size / --dp-size"}, str(e.value)
+
+
+def test_a_refused_value_names_the_contracts_that_allow_it():
+    """v1 refuses --pp-size 2 and names the TP preview, which routes PP; a rule whose alternative
+    already names the contract does not name it twice; a value no contract allows names none."""
+    from argparse import Namespace
+
+    from true_on_policy.contract.policy import check_args
+
+    def fix(subject, **fields):
+        args = Namespace(**{**{r.dest: r.allowed[0] for r in C.args}, "model_path": None, **fields})
+        [v] = [v for v in check_args(C, args) if v.subject == subject]
+        return v.fix
+
+    preview = "qwen3_moe_true_on_policy_tp_preview_v1"
+    assert fix("--pp-size", pp_size=2).endswith(f"; or --true-on-policy-contract {preview}, which allows --pp-size 2 "
+                                                "(the trainer must load the same contract)")
+    assert fix("--tp-size", tp_size=2).count(preview) == 1  # v1's own alternative names it
+    assert "--true-on-policy-contract" not in fix("--pp-size", pp_size=9)  # past every contract's PP degrees
+
+
+def test_the_tokenizer_files_are_checked_where_sglang_will_load_them(tmp_path):
+    from argparse import Namespace
+
+    from true_on_policy.contract.policy import check_tokenizer
+
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    model.mkdir(), tok.mkdir()
+    (model / "config.json").write_text("{}")
+    args = lambda **kw: Namespace(**{"model_path": str(model), "tokenizer_path": None,  # noqa: E731
+                                     "skip_tokenizer_init": False, **kw})
+    [v] = check_tokenizer(args())
+    assert v.subject == "--model-path" and "has no tokenizer files" in v.found and "--skip-tokenizer-init" in v.fix
+    assert check_tokenizer(args(skip_tokenizer_init=True)) == []
+    assert check_tokenizer(args(tokenizer_path=str(model))) == [v]  # SGLang's resolution sets it to the model's
+    [v] = check_tokenizer(args(tokenizer_path=str(tok)))
+    assert v.subject == "--tokenizer-path" and str(tok) in v.found
+    for files in (["tokenizer.json"], ["vocab.json", "merges.txt"], ["tokenizer.model"]):
+        for f in files:
+            (tok / f).write_text("{}")
+        assert check_tokenizer(args(tokenizer_path=str(tok))) == [], files
+        for f in files:
+            (tok / f).unlink()
+    (tok / "vocab.json").write_text("{}")  # half of a BPE pair
+    assert len(check_tokenizer(args(tokenizer_path=str(tok)))) == 1
+    assert check_tokenizer(args(model_path=str(tmp_path / "absent"))) == []  # the model check reports the folder
+    [v] = check_tokenizer(args(tokenizer_path="Qwen/Qwen3-30B-A3B"))
+    assert "is not a local folder" in v.found

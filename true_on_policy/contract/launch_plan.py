@@ -35,6 +35,7 @@ from true_on_policy.contract.policy import (
     model_problems,
     resolved_graph_backends,
 )
+from true_on_policy.contract.sglang_refusal import refused_by_sglang
 from true_on_policy.redact import redact, redact_text
 
 
@@ -185,8 +186,7 @@ def _resolve(contract, model_path, conflicts, environ, resolve, unresolved):
         server_args = resolve()
     except Exception as e:  # noqa: BLE001 - SGLang's own refusal, reported with ours
         env.restore_saved(saved)
-        raise PolicyError(contract.name, conflicts + [Violation("sglang", f"refused the arguments ({e})",
-                                                                "fix the argument it names")]) from e
+        raise PolicyError(contract.name, _unique(conflicts + refused_by_sglang(contract, e, ns))) from e
     violations = conflicts + check_args(contract, server_args) + check_resolved(contract, server_args) + violations_of(
         check_sharding(cfg, server_args.tp_size, server_args.ep_size)  # the resolved layout
         + check_pipeline(cfg, server_args.pp_size, partition))

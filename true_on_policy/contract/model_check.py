@@ -69,6 +69,32 @@ def _path_problem(model_path: str) -> ModelProblem | None:
     return None
 
 
+# What transformers' AutoTokenizer (SGLang's tokenizer manager) loads a Qwen3 tokenizer from: any one set
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+
+
+def tokenizer_problem(model_path: str, tokenizer_path: str | None = None) -> ModelProblem | None:
+    """The folder SGLang loads the tokenizer from (``--tokenizer-path``, else the checkpoint) has no
+    tokenizer files, or is not a local folder: the server would start, load the weights and then
+    fail. None when the files are there, or when the checkpoint folder itself is the problem (the
+    model check reports it). ``--skip-tokenizer-init`` (token ids in and out) needs none: the
+    caller does not ask."""
+    own = tokenizer_path is not None and str(tokenizer_path) != str(model_path)
+    folder, flag = (str(tokenizer_path), "--tokenizer-path") if own else (str(model_path), "--model-path")
+    if not own and _path_problem(folder) is not None:
+        return None
+    p = Path(folder).expanduser()
+    if not p.is_dir():
+        return ModelProblem(flag, f"{folder!r} is not a local folder (nothing is ever downloaded)",
+                            "pass the folder holding the checkpoint's tokenizer files")
+    if any(all((p / f).is_file() for f in files) for files in TOKENIZER_FILES):
+        return None
+    listed = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+    return ModelProblem(flag, f"{folder!r} has no tokenizer files ({listed})",
+                        "copy the checkpoint's tokenizer files into it, pass --tokenizer-path DIR, or pass "
+                        "--skip-tokenizer-init (token ids in, token ids out)")
+
+
 def read_config(model_path: str, supported=("Qwen3MoeForCausalLM",)):
     """``(config, problems)``: transformers' ``Qwen3MoeConfig`` of a local checkpoint folder, or
     ``None`` with the problems that stop it being read (path, JSON, architecture, field types)."""

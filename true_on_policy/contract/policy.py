@@ -70,7 +70,7 @@ def check_args(contract: Contract, server_args) -> list[Violation]:
         if not member(value, rule.allowed):
             fix = (f"the contract forces {rule.force!r}; drop your value" if rule.forced
                    else f"allowed: {', '.join(map(repr, rule.allowed))}; instead: {rule.alternative}")
-            out.append(Violation(rule.flag, f"{value!r} ({rule.why})", fix))
+            out.append(Violation(rule.flag, f"{value!r} ({rule.why})", fix + _elsewhere(contract, rule, value)))
     chunk = getattr(server_args, "chunked_prefill_size", None)
     if isinstance(chunk, int) and chunk not in (-1, 0) and (chunk < 64 or chunk % 64):
         out.append(Violation("--chunked-prefill-size", f"{chunk} (prefill chunks are aligned to 64 tokens; a smaller "
@@ -78,7 +78,33 @@ def check_args(contract: Contract, server_args) -> list[Violation]:
     tp, ep = getattr(server_args, "tp_size", 1), getattr(server_args, "ep_size", 1)
     if isinstance(tp, int) and isinstance(ep, int) and ep > 0 and tp % ep:
         out.append(Violation("--ep-size", f"{ep} does not divide --tp-size {tp}", "choose EP dividing TP"))
-    return out
+    return out + check_tokenizer(server_args)
+
+
+def check_tokenizer(server_args) -> list[Violation]:
+    """The tokenizer SGLang will load is on disk (``model_check.tokenizer_problem``), unless
+    ``--skip-tokenizer-init``: refused before the weights are loaded, not after."""
+    from true_on_policy.contract import model_check
+
+    model = getattr(server_args, "model_path", None)
+    if not model or getattr(server_args, "skip_tokenizer_init", False):
+        return []
+    p = model_check.tokenizer_problem(str(model), getattr(server_args, "tokenizer_path", None))
+    return [] if p is None else [Violation(p.subject, p.found, p.fix)]
+
+
+def _elsewhere(contract: Contract, rule, value) -> str:
+    """The registered contracts whose rule for the same argument allows ``value`` (a refusal names
+    where the value is served: PP > 1 is refused by v1 and routed by the TP preview), unless the
+    rule's own alternative already names them."""
+    from true_on_policy.contract import known_contracts
+
+    names = [name for name in known_contracts() if name != contract.name and name not in rule.alternative
+             and any(r.dest == rule.dest and member(value, r.allowed) for r in get_contract(name).args)]
+    if not names:
+        return ""
+    return (f"; or --true-on-policy-contract {' / '.join(names)}, which allows {rule.flag} {value!r} "
+            "(the trainer must load the same contract)")
 
 
 def check_resolved(contract: Contract, server_args) -> list[Violation]:

@@ -39,11 +39,11 @@ from true_on_policy.rollout.actor import (
     samples,
 )
 
-_EXTRA = 'pip install "true-on-policy-sglang[ray]"'
+_EXTRA = "pip install ray==2.60.0"  # the version of the package's `ray` extra; works outside a checkout too
 
 try:
     import ray
-except ImportError as e:  # the message names the extra that installs it
+except ImportError as e:  # the message names the command that installs it
     raise ImportError(f"true_on_policy.rollout.ray needs Ray, which is not installed: {_EXTRA}") from e
 
 __all__ = ["RolloutEngine", "PlacementError", "WeightSyncError", "ipc_named_tensors", "runtime_env"]
