@@ -321,17 +321,3 @@ def test_checkpoint_without_tokenizer_files_is_refused_unless_skip_tokenizer_ini
     assert rc == 0, err[-3000:]
     rc, _, err = _dry_run(capsys, "--model-path", bare, "--tokenizer-path", str(tmp_path / "absent"))
     assert rc == 2 and "--tokenizer-path: " in err and "is not a local folder" in err, err[-3000:]
-
-
-def test_the_ray_install_hint_works_outside_a_checkout(monkeypatch):
-    """Without Ray, importing the Ray actor says how to install it: the pinned version of the package's
-    ``ray`` extra, as a plain ``pip install`` (an extra of this package resolves only from a checkout)."""
-    import importlib
-    import tomllib
-
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    monkeypatch.delitem(sys.modules, "true_on_policy.rollout.ray", raising=False)
-    with pytest.raises(ImportError) as e:
-        importlib.import_module("true_on_policy.rollout.ray")
-    assert str(e.value).endswith(f"needs Ray, which is not installed: pip install {extra[0]}"), str(e.value)
