@@ -20,6 +20,39 @@ def _launch(*args, env_extra=None):
                           cwd=ROOT, env=e, timeout=300)
 
 
+@pytest.fixture
+def restored_env():
+    """The process environment as it was before the test: SGLang's resolution writes os.environ
+    (NCCL_ALGO at TP > 1) when it accepts a plan."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def cli(tiny_cache, clean_env, restored_env, capsys):
+    """``python -m launch.server ARGS`` as ``launch.server.main(ARGS)`` in this process, which imported
+    SGLang once (a fresh process spends most of a dry run importing it again): the result reads like
+    ``_launch``'s finished process, from an environment without overlay or NCCL settings plus
+    ``env_extra``. ``_launch`` keeps the tests of the module run as a command (quiet, exit codes)."""
+    for name in [n for n in os.environ if n.startswith(("SGLANG_TRUE_ON_POLICY", "NCCL_"))]:
+        clean_env.delenv(name)
+
+    def run(*args, env_extra=None):
+        from launch.server import main
+
+        capsys.readouterr()
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in (env_extra or {}).items():
+                mp.setenv(name, value)
+            rc = main(list(args))  # an exception here fails the test: no traceback passes for a refusal
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, rc, out, err)
+
+    return run
+
+
 def test_dry_run_accepts_a_valid_plan(tiny_cache):
     r = _launch("--true-on-policy", "--dry-run", "--tp-size", "1", "--random-seed", "3")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -34,8 +67,8 @@ def test_dry_run_accepts_a_valid_plan(tiny_cache):
     assert not [n for n in PLATFORM_NOISE if n in r.stderr], r.stderr[-3000:]  # a CPU host's warnings, filtered
 
 
-def test_dry_run_rejects_a_bad_plan_listing_everything(tiny_cache):
-    r = _launch("--true-on-policy", "--dry-run", "--attention-backend", "fa3", "--enable-dp-attention",
+def test_dry_run_rejects_a_bad_plan_listing_everything(cli):
+    r = cli("--true-on-policy", "--dry-run", "--attention-backend", "fa3", "--enable-dp-attention",
                 "--quantization", "fp8", env_extra={"NCCL_NVLS_ENABLE": "1"})
     assert r.returncode == 2
     err = r.stderr
@@ -47,31 +80,31 @@ def test_dry_run_rejects_a_bad_plan_listing_everything(tiny_cache):
 PREVIEW = ("--true-on-policy", "--true-on-policy-contract", "qwen3_moe_true_on_policy_tp_preview_v1", "--dry-run")
 
 
-def test_dry_run_accepts_pp2_and_tp2_pp2_in_the_preview(tiny_cache):
+def test_dry_run_accepts_pp2_and_tp2_pp2_in_the_preview(cli):
     from true_on_policy.contract import get_contract
 
-    r = _launch(*PREVIEW, "--pp-size", "2")
+    r = cli(*PREVIEW, "--pp-size", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout)
     assert plan["fingerprint"] == get_contract("qwen3_moe_true_on_policy_tp_preview_v1").fingerprint
     assert plan["resolved"]["pp_size"] == 2
-    r = _launch(*PREVIEW, "--pp-size", "2", "--tp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "1,1"})
+    r = cli(*PREVIEW, "--pp-size", "2", "--tp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "1,1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert (json.loads(r.stdout)["resolved"]["tp_size"], json.loads(r.stdout)["resolved"]["pp_size"]) == (2, 2)
 
 
-def test_dry_run_refuses_pp_layouts_the_model_cannot_split(tiny_cache):
+def test_dry_run_refuses_pp_layouts_the_model_cannot_split(cli):
     """The embedded model has 2 layers: PP3, a partition of zeros or of the wrong sum, all in one message."""
-    r = _launch(*PREVIEW, "--pp-size", "3", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,0,0"})
+    r = cli(*PREVIEW, "--pp-size", "3", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,0,0"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     err = r.stderr[r.stderr.index("error: true-on-policy contract"):]
     assert "2 violation(s)" in err and "(at most 2 stages)" in err, err
     assert "--pp-size: 3 stages for 2 decoder layers" in err
     assert "gives stage(s) [1, 2] no layers" in err and "SGLANG_PP_LAYER_PARTITION" in err
     assert "--disable-overlap-schedule" not in err  # SGLang resolves it on at pp > 1; not blamed on unresolved args
-    r = _launch(*PREVIEW, "--pp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,1"})
+    r = cli(*PREVIEW, "--pp-size", "2", env_extra={"SGLANG_PP_LAYER_PARTITION": "2,1"})
     assert r.returncode == 2 and "sums to 3, the model has 2 decoder layers" in r.stderr
-    r = _launch("--true-on-policy", "--dry-run", "--pp-size", "2")  # the default contract: PP is the preview's
+    r = cli("--true-on-policy", "--dry-run", "--pp-size", "2")  # the default contract: PP is the preview's
     assert r.returncode == 2 and "--pp-size: 2" in r.stderr
     assert ("--true-on-policy-contract qwen3_moe_true_on_policy_tp_preview_v1, which allows --pp-size 2"
             in r.stderr), r.stderr[-2000:]  # the refusal names the contract that routes PP
@@ -90,12 +123,12 @@ def test_dry_run_needs_true_on_policy():
     assert r.returncode == 2 and "--true-on-policy" in r.stderr
 
 
-def test_no_cuda_is_one_clear_line(tiny_cache):
+def test_no_cuda_is_one_clear_line(cli):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    r = _launch("--true-on-policy")
+    r = cli("--true-on-policy")
     assert r.returncode == 1
     assert "needs an NVIDIA GPU" in r.stderr and "Traceback" not in r.stderr
 
@@ -184,10 +217,10 @@ def test_contract_flag_without_a_name_is_a_usage_error(capsys, argv):
                                        f"{', '.join(known_contracts())})\n")
 
 
-def test_routed_experts_and_tokenizer_workers_refused_at_launch(tiny_cache):
+def test_routed_experts_and_tokenizer_workers_refused_at_launch(cli):
     """The contract's router bypasses SGLang's routed-expert capture, and per-sample seeds live in
     the one tokenizer process: both are refused in one message before any GPU work."""
-    r = _launch("--true-on-policy", "--dry-run", "--enable-return-routed-experts", "--tokenizer-worker-num", "2")
+    r = cli("--true-on-policy", "--dry-run", "--enable-return-routed-experts", "--tokenizer-worker-num", "2")
     assert r.returncode == 2, r.stdout[-2000:]
     assert "--enable-return-routed-experts" in r.stderr and "--tokenizer-worker-num" in r.stderr
     assert "2 violation(s)" in r.stderr, r.stderr[-2000:]
@@ -195,49 +228,44 @@ def test_routed_experts_and_tokenizer_workers_refused_at_launch(tiny_cache):
 
 LAYOUTS_4_8 = [["--tp-size", "4"], ["--tp-size", "8"], ["--tp-size", "4", "--ep-size", "4"],
                ["--tp-size", "8", "--ep-size", "8"], ["--tp-size", "2", "--pp-size", "2"]]
-_PLANS = r"""
-import json, sys
-from transformers import Qwen3MoeConfig
-from true_on_policy.contract import get_contract
-from true_on_policy.contract.launch_plan import build_plan
-from true_on_policy.tiny_model import build_tokenizer
-geoms = {"Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                               moe_intermediate_size=768),
-         "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-                                 moe_intermediate_size=1536)}
-out = []
-for name, g in geoms.items():
-    folder = sys.argv[1] + "/" + name
-    Qwen3MoeConfig(vocab_size=151936, intermediate_size=6144, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                   max_position_embeddings=40960, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
-                   **g).save_pretrained(folder)
-    build_tokenizer(folder)  # a checkpoint folder holds its tokenizer (config and tokenizer: no weights)
-    for lay in json.loads(sys.argv[2]):
-        plan = build_plan(get_contract("qwen3_moe_true_on_policy_tp_preview_v1"), ["--model-path", folder, *lay])
-        sa = plan.server_args
-        out.append([name, lay, [sa.tp_size, sa.ep_size, sa.pp_size], plan.env.get("NCCL_NVLS_ENABLE")])
-print("PLANS " + json.dumps(out))
-"""
+GEOMETRIES_30B_235B = {
+    "Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          moe_intermediate_size=768),
+    "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                            moe_intermediate_size=1536)}
 
 
-def test_dry_run_plans_of_the_four_and_eight_gpu_layouts(tmp_path):
+def test_dry_run_plans_of_the_four_and_eight_gpu_layouts(tmp_path, clean_env, restored_env):
     """Issue 18's layouts (TP 4/8, TP x EP 4/8, TP 2 x PP 2) on the 30B-A3B and 235B-A22B geometries
-    (config only): the preview contract plans each, resolved as asked, NVLink multicast off. The runs
-    themselves need the 4- and 8-GPU kinds."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_TRUE_ON_POLICY", "NCCL_"))}
-    r = subprocess.run([sys.executable, "-c", _PLANS, str(tmp_path), json.dumps(LAYOUTS_4_8)], capture_output=True,
-                       text=True, cwd=ROOT, env=e, timeout=300)
-    line = [x for x in r.stdout.splitlines() if x.startswith("PLANS ")]
-    assert r.returncode == 0 and line, r.stderr[-3000:]
-    plans = json.loads(line[0][len("PLANS "):])
-    assert len(plans) == 2 * len(LAYOUTS_4_8)
-    for name, lay, resolved, nvls in plans:
-        asked = dict(zip(lay[::2], map(int, lay[1::2]), strict=True))
-        assert resolved == [asked.get("--tp-size", 1), asked.get("--ep-size", 1), asked.get("--pp-size", 1)], (name, lay)
-        assert nvls == "0", (name, lay)
+    (config and tokenizer, no weights): the preview contract plans each, resolved as asked, NVLink
+    multicast off. The runs themselves need the 4- and 8-GPU kinds."""
+    from transformers import Qwen3MoeConfig
+
+    from true_on_policy.contract import get_contract
+    from true_on_policy.contract.launch_plan import build_plan
+    from true_on_policy.tiny_model import build_tokenizer
+
+    for name in [n for n in os.environ if n.startswith(("SGLANG_TRUE_ON_POLICY", "NCCL_"))]:
+        clean_env.delenv(name)
+    planned = 0
+    for name, g in GEOMETRIES_30B_235B.items():
+        folder = str(tmp_path / name)
+        Qwen3MoeConfig(vocab_size=151936, intermediate_size=6144, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                       max_position_embeddings=40960, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
+                       **g).save_pretrained(folder)
+        build_tokenizer(folder)  # a checkpoint folder holds its tokenizer
+        for lay in LAYOUTS_4_8:
+            plan = build_plan(get_contract("qwen3_moe_true_on_policy_tp_preview_v1"), ["--model-path", folder, *lay])
+            sa = plan.server_args
+            asked = dict(zip(lay[::2], map(int, lay[1::2]), strict=True))
+            assert [sa.tp_size, sa.ep_size, sa.pp_size] == [
+                asked.get("--tp-size", 1), asked.get("--ep-size", 1), asked.get("--pp-size", 1)], (name, lay)
+            assert plan.env.get("NCCL_NVLS_ENABLE") == "0", (name, lay)
+            planned += 1
+    assert planned == 2 * len(LAYOUTS_4_8)
 
 
-def test_the_prefill_graph_preview_leaves_prefill_graphs_to_sglang_and_judges_what_they_resolve_to(tiny_cache):
+def test_the_prefill_graph_preview_leaves_prefill_graphs_to_sglang_and_judges_what_they_resolve_to(cli):
     """Under the preview, --cuda-graph-backend-prefill is not forced (SGLang's CUDA default is
     breakable; this CPU host resolves its own default, which deterministic mode turns off); a
     backend the contract does not allow is refused whether it comes from the per-phase flag or
@@ -245,42 +273,35 @@ def test_the_prefill_graph_preview_leaves_prefill_graphs_to_sglang_and_judges_wh
     from true_on_policy.contract import get_contract
 
     name = "qwen3_moe_true_on_policy_flat_pg_preview_v1"
-    r = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run")
+    r = cli("--true-on-policy", "--true-on-policy-contract", name, "--dry-run")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout)
     assert plan["contract"] == name and plan["fingerprint"] == get_contract(name).fingerprint
     assert plan["resolved"]["cuda_graph_backend_prefill"] is None and "--cuda-graph-backend-prefill" not in plan["argv"]
     assert plan["cuda_graph_backends"]["prefill"] in ("breakable", "disabled")
-    ok = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
+    ok = cli("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
                  "breakable")
     assert ok.returncode == 0 and json.loads(ok.stdout)["cuda_graph_backends"]["prefill"] == "breakable", ok.stderr
-    v1 = json.loads(_launch("--true-on-policy", "--dry-run").stdout)
+    v1 = json.loads(cli("--true-on-policy", "--dry-run").stdout)
     assert v1["resolved"]["cuda_graph_backend_prefill"] == "disabled" and v1["cuda_graph_backends"]["prefill"] == "disabled"
     for contract in (name, "qwen3_moe_true_on_policy_v1"):
-        r = _launch("--true-on-policy", "--true-on-policy-contract", contract, "--dry-run", "--cuda-graph-config",
+        r = cli("--true-on-policy", "--true-on-policy-contract", contract, "--dry-run", "--cuda-graph-config",
                     '{"prefill": {"backend": "tc_piecewise"}, "decode": {"backend": "breakable"}}')
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert "prefill CUDA graphs resolved to 'tc_piecewise'" in r.stderr
         assert "decode CUDA graphs resolved to 'breakable'" in r.stderr
-    r = _launch("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
+    r = cli("--true-on-policy", "--true-on-policy-contract", name, "--dry-run", "--cuda-graph-backend-prefill",
                 "tc_piecewise")
     assert r.returncode == 2 and "--cuda-graph-backend-prefill" in r.stderr and "Traceback" not in r.stderr
 
 
-def _dry_run(capsys, *argv) -> tuple[int, str, str]:
-    from launch.server import main
-
-    rc = main(["--true-on-policy", "--dry-run", *argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def test_sglangs_own_refusal_is_named_in_the_same_list_as_ours(tiny_cache, clean_env, capsys):
+def test_sglangs_own_refusal_is_named_in_the_same_list_as_ours(cli):
     """--dp-size 2 --enable-dp-attention fails SGLang's bare ``assert self.tp_size % self.dp_size == 0``
     (under ``if enable_dp_attention``): the problem names the three flags with the values SGLang saw,
     listed with the contract's own findings on the same command line (fp8 KV cache, both DP flags)."""
-    rc, _, err = _dry_run(capsys, "--dp-size", "2", "--enable-dp-attention", "--kv-cache-dtype", "fp8_e4m3")
-    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    r = cli("--true-on-policy", "--dry-run", "--dp-size", "2", "--enable-dp-attention", "--kv-cache-dtype", "fp8_e4m3")
+    err = r.stderr
+    assert r.returncode == 2, err[-3000:]
     lines = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
     assert "4 violation(s)" in err and len(lines) == 4, err[-3000:]
     assert {line.split(":")[0] for line in lines} == {
@@ -303,21 +324,21 @@ def _checkpoint_without_tokenizer(tmp_path) -> str:
     return str(folder)
 
 
-def test_checkpoint_without_tokenizer_files_is_refused_unless_skip_tokenizer_init(tiny_cache, clean_env, tmp_path,
-                                                                                   capsys):
+def test_checkpoint_without_tokenizer_files_is_refused_unless_skip_tokenizer_init(cli, tmp_path):
     """Weights and config without a tokenizer would load and then fail: refused before any GPU work,
     in the same list as the other problems; --skip-tokenizer-init (token ids in and out) or a
     --tokenizer-path holding the files is accepted; a --tokenizer-path that is not a folder is refused."""
     from true_on_policy import tiny_model
 
     bare = _checkpoint_without_tokenizer(tmp_path)
-    rc, _, err = _dry_run(capsys, "--model-path", bare, "--attention-backend", "fa3")
-    assert rc == 2 and "2 violation(s)" in err, err[-3000:]
-    assert f"--model-path: {bare!r} has no tokenizer files (tokenizer.json or vocab.json + merges.txt" in err
-    assert "--skip-tokenizer-init" in err and "--attention-backend" in err
-    rc, out, err = _dry_run(capsys, "--model-path", bare, "--skip-tokenizer-init")
-    assert rc == 0 and json.loads(out)["model_path"] == bare, err[-3000:]
-    rc, out, err = _dry_run(capsys, "--model-path", bare, "--tokenizer-path", tiny_model.ensure("embedded"))
-    assert rc == 0, err[-3000:]
-    rc, _, err = _dry_run(capsys, "--model-path", bare, "--tokenizer-path", str(tmp_path / "absent"))
-    assert rc == 2 and "--tokenizer-path: " in err and "is not a local folder" in err, err[-3000:]
+    dry = ("--true-on-policy", "--dry-run", "--model-path", bare)
+    r = cli(*dry, "--attention-backend", "fa3")
+    assert r.returncode == 2 and "2 violation(s)" in r.stderr, r.stderr[-3000:]
+    assert f"--model-path: {bare!r} has no tokenizer files (tokenizer.json or vocab.json + merges.txt" in r.stderr
+    assert "--skip-tokenizer-init" in r.stderr and "--attention-backend" in r.stderr
+    r = cli(*dry, "--skip-tokenizer-init")
+    assert r.returncode == 0 and json.loads(r.stdout)["model_path"] == bare, r.stderr[-3000:]
+    r = cli(*dry, "--tokenizer-path", tiny_model.ensure("embedded"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli(*dry, "--tokenizer-path", str(tmp_path / "absent"))
+    assert r.returncode == 2 and "--tokenizer-path: " in r.stderr and "is not a local folder" in r.stderr, r.stderr
