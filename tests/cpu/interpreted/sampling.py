@@ -1,6 +1,7 @@
 """Interpreted: the Gumbel-max sampler against its torch reference (SGLang's murmur hash
 re-stated in torch), the reported log-prob equal to token_logprobs bitwise, greedy, truncation,
 batch invariance."""
+import math
 import sys
 
 import torch
@@ -52,7 +53,7 @@ s = logq[0].double().exp().sum()
 assert abs(float(s) - 1.0) < 1e-6, s
 assert torch.isfinite(logq.gather(1, ti[:, None])).all()  # never draws a truncated token
 assert torch.equal(truncate(logp, k, p, mp)[3], logp[3])  # greedy rows keep logp
-ties = torch.zeros(1, 16)
+ties = torch.full((1, 16), -math.log(16))  # a log-prob row of 16 tied tokens
 assert torch.isfinite(truncate(ties, 4)).sum() == 4 and torch.isfinite(truncate(ties, 4))[0, :4].all()
 
 # the draw's fast path: with 4-lane chunks most chunks of a shard are skipped by the fp32 estimate;

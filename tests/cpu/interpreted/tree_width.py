@@ -45,6 +45,6 @@ torch.testing.assert_close(y.float(), moe_reference(xm, router, w13, w2, k, acc=
 for n in (1, 5, 12):
     assert torch.equal(moe(xm[:n].clone(), router, w13, w2, k), y[:n]), n
 # TP over K has no segments to split at width 1; a second width in this process is refused
-expect_value_errors(lambda: tree_reduce._segments_for(2, 128), lambda: use_tree_width(8), lambda: use_tree_width(3))
+expect_value_errors(lambda: tree_reduce.segments_for(2, 128), lambda: use_tree_width(8), lambda: use_tree_width(3))
 use_tree_width(1)  # the same width again is fine
 print("interpreted-ok")
