@@ -102,7 +102,7 @@ def _sgl_fused_moe():
         from sglang.srt.layers.moe.topk import StandardTopKOutput
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-        from true_on_policy.harness import tiny_model
+        from true_on_policy import tiny_model
 
         # fused_moe reads SGLang's published runtime config and allocates its output through the
         # TP group (symmetric-memory hook): publish a default config, start a one-rank world

@@ -154,7 +154,9 @@ def expected_numbers(doc: dict) -> list[str]:
     """The numbers a headline row that links ``doc`` must state, as the README writes them."""
     if "exact_tokens" in doc:
         out = [f"{doc['exact_tokens']}/{doc['tokens']}"]
-        return out + ([format(doc["max_abs_diff"], ".4g")] if doc["max_abs_diff"] else [])
+        return out + ([format(doc["max_abs_diff"], ".4g")] if doc.get("max_abs_diff") else [])
+    if "requests_sent" in doc:  # the robustness harness
+        return [f"{doc['requests_sent']:,}", f"{doc['crashes']} crashes"]
     if "steps_run" in doc:
         assert doc["all_bitwise"] and doc["steps_run"] == len(doc["steps"])
         return ["every step"]

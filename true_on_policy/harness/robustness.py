@@ -100,10 +100,11 @@ def fuzz_bodies(rng: random.Random, vocab: int, count: int) -> list[tuple[str, d
                 body = set_field(body, f, rng.choice(BAD_VALUES[f]))
             out.append(("/generate", body, False))
         elif x < 0.9:
-            body = {"model": "default", "prompt": rng.choice(["hello", "a b c", "", "x" * 200]),
+            prompt = rng.choice(["hello", "a b c", "", "x" * 200])
+            body = {"model": "default", "prompt": prompt,
                     "max_tokens": rng.choice((1, 8, 16)), "temperature": rng.choice((0.0, 0.7, 1.0)),
                     "top_p": rng.choice((0.9, 1.0)), "logprobs": rng.choice((None, 2))}
-            out.append(("/v1/completions", body, True))
+            out.append(("/v1/completions", body, True if prompt else None))  # SGLang refuses an empty prompt
         else:
             body = {"model": "default", "prompt": rng.choice(["hello", [1, -3, 2], [10 ** 9]]),
                     "max_tokens": rng.choice((-1, "8", 10 ** 12)), "temperature": rng.choice(("nan", -1)),

@@ -233,7 +233,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if state is None:
         raise TrainerPatchError("token_logprobs needs a patched model: call patch_megatron_model(model) first")
     problems = (_input_problems(state.f, input_ids, attention_mask)
-                + trainer._sampling_problems(temperature, top_k, top_p, min_p))
+                + trainer.sampling_problems(temperature, top_k, top_p, min_p))
     if problems:
         raise TrainerPatchError("token_logprobs refused:\n  - " + "\n  - ".join(problems))
     if attention_mask is not None:

@@ -226,7 +226,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     state = getattr(model, _STATE, None)
     if state is None:
         raise TrainerPatchError("token_logprobs needs a patched model: call patch_hf_model(model) first")
-    problems = _input_problems(model, input_ids, attention_mask) + _sampling_problems(temperature, top_k, top_p, min_p)
+    problems = _input_problems(model, input_ids, attention_mask) + sampling_problems(temperature, top_k, top_p, min_p)
     seq = int(input_ids.shape[-1]) if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
     if logits_to_keep is not None and seq is not None and not (
             isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and 1 <= logits_to_keep < seq):
@@ -273,7 +273,7 @@ def _input_problems(model, input_ids, attention_mask) -> list[str]:
     return out
 
 
-def _sampling_problems(temperature, top_k, top_p, min_p) -> list[str]:
+def sampling_problems(temperature, top_k, top_p, min_p) -> list[str]:
     import math
 
     out = []
