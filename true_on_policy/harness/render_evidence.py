@@ -234,6 +234,19 @@ def summary(d: dict) -> str:
         return (f"trainer speed: token_logprobs at {d.get('tokens')} tokens "
                 f"{number(ms.get('patched'), '.2f')} ms against {number(ms.get('stock'), '.2f')} ms for the "
                 f"stock forward ({d['ratio_patched_over_stock']:.2f}x the time)")
+    if d.get("schema", "").startswith("true_on_policy.stress/"):
+        cfg = d.get("config") or {}
+        return (f"truncation stress, {cfg.get('geometry')}: {d.get('exact_tokens')}/{d.get('tokens')} tokens bitwise "
+                f"({d.get('truncated_tokens')} truncated), {cfg.get('rounds')} rounds with weight updates, "
+                f"{'passed' if d.get('passed') else 'FAILED'}")
+    if d.get("schema", "").startswith("true_on_policy.robustness/"):
+        ups = d.get("failed_updates") or []
+        bit = d.get("bitwise") or {}
+        return (f"robustness: {d.get('requests_sent')} requests, statuses {d.get('statuses')}, crashes "
+                f"{d.get('crashes')}; {sum(u.get('success') is False for u in ups)}/{len(ups)} bad updates refused, "
+                f"good request unchanged after each: {all(u.get('good_request_unchanged') for u in ups)}; bitwise "
+                + ", ".join(f"{k} {v.get('exact')}/{v.get('tokens')}" for k, v in sorted(bit.items()))
+                + f"; {'passed' if d.get('passed') else 'FAILED'}")
     scalars = [(k, v) for k, v in sorted(d.items()) if k != "provenance" and isinstance(v, (str, int, float, bool))]
     return ", ".join(f"{k} {v}" for k, v in scalars[:4]) or "–"
 
