@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
-# GROUP: parity | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
+# GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | tp2 | pp2 (two GPUs each) | all (the
 #        one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space and tailprofile)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
@@ -172,11 +172,23 @@ case $GROUP in
         --temperature 1.0 --long-prompts 1 --long-len 4096 --chunked-prefill-size 2048 --radix-followups 8 \
         --out "$E/parity-tpo-tp2-$g-t1.0.json"
     done ;;
+  robustness|all)  # no request and no weight update crashes the server (a 3000-request fuzz, bad updates), and
+    # truncated sampling in mixed concurrent traffic with weight updates, bitwise on the 30B-A3B layer shape and an own
+    # geometry; the kernel-level truncation test; the 6-layer parity under the default contract
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo}
+    run python3 -m true_on_policy.harness.robustness --out "$E/robustness-embedded.json"
+    run python3 -m true_on_policy.harness.stress --geometry a3b6 --out "$E/stress-truncation-a3b6.json"
+    run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536.json"
+    run tier gpu-tier-truncation tests/gpu/test_truncation_gpu.py
+    run $P --mode tpo --trainer patched --temperature 1.0 --geometry a3b6 --out "$E/parity-tpo-default-a3b6-t1.0.json"
+    run tier gpu-tier-robustness tests/gpu/test_engine_gpu.py tests/gpu/test_sampling_http_gpu.py
+    run tier gpu-tier-sampling tests/gpu/test_sampling_gpu.py tests/gpu/test_sampling_engine_gpu.py \
+      tests/gpu/test_server_gpu.py ;;&
   pp2)
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc
