@@ -186,18 +186,9 @@ class HttpEngine:
         requests.post(self.url + "/start_profile", json=req, timeout=600).raise_for_status()
 
     def shutdown(self):
-        import signal
+        from true_on_policy.harness.http import stop_group
 
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
+        stop_group(self.proc)
         self.log.close()
 
 

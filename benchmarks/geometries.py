@@ -19,11 +19,9 @@ satisfies both (``Budget``), computed from the shapes, so it is the same on ever
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +128,7 @@ def checkpoint_bytes(s: dict) -> int:
 
 def folder(name: str) -> Path:
     """Where the checkpoint of ``name`` lives: ``tiny_model``'s naming, so both build the same one."""
-    return tiny_model.cache_root() / f"qwen3-moe-{name}-{tiny_model._key(spec(name))}"
+    return tiny_model.folder_for(name, spec(name))
 
 
 def _free_bytes(path: Path) -> int:
@@ -169,20 +167,7 @@ def ensure(name: str, room: bool = False) -> str:
         raise RuntimeError(f"{name}: a {need / GIB:.1f} GiB checkpoint does not fit {final.parent} "
                            f"({_free_bytes(final.parent) / GIB:.1f} GiB free); point TRUE_ON_POLICY_CACHE at a "
                            "larger tmpfs (e.g. /dev/shm/tpo-cache) or pass --make-room")
-    if name in tiny_model.GEOMETRIES and tiny_model.GEOMETRIES[name] == s:
-        return tiny_model.ensure(name)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
-    try:
-        tiny_model.build(tmp, s)
-        (tmp / "true_on_policy_geometry.json").write_text(json.dumps(s, indent=1, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process won the race: keep theirs
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    return tiny_model.build_into(final, s)
 
 
 def describe(name: str) -> dict:

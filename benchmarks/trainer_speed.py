@@ -30,8 +30,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy import DEFAULT_CONTRACT
-    from true_on_policy import tiny_model
+    from true_on_policy import DEFAULT_CONTRACT, tiny_model
     from true_on_policy.harness.provenance import provenance, write_evidence
     from true_on_policy.trainer import patch_hf_model, token_logprobs
 

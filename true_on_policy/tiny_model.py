@@ -132,13 +132,10 @@ def build(folder: Path, spec: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def ensure(geometry: str = "embedded") -> str:
-    """Path of the cached checkpoint of ``geometry``, building it on first use."""
-    try:
-        spec = GEOMETRIES[geometry]
-    except KeyError:
-        raise KeyError(f"unknown tiny geometry {geometry!r}; known: {', '.join(GEOMETRIES)}") from None
-    final = cache_root() / f"qwen3-moe-{geometry}-{_key(spec)}"
+def build_into(final: Path, spec: dict) -> str:
+    """Build ``spec`` into the folder ``final`` unless a checkpoint is already there: written to a
+    temporary sibling first and renamed, so a concurrent builder never sees half a checkpoint."""
+    final = Path(final)
     if (final / "config.json").is_file() and any((final / f).is_file() for f in WEIGHT_FILES):
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -154,3 +151,17 @@ def ensure(geometry: str = "embedded") -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+def folder_for(name: str, spec: dict, root: Path | None = None) -> Path:
+    """The cache folder of ``spec`` under the name ``name`` (the hash of the spec keeps two specs apart)."""
+    return Path(root or cache_root()) / f"qwen3-moe-{name}-{_key(spec)}"
+
+
+def ensure(geometry: str = "embedded") -> str:
+    """Path of the cached checkpoint of ``geometry``, building it on first use."""
+    try:
+        spec = GEOMETRIES[geometry]
+    except KeyError:
+        raise KeyError(f"unknown tiny geometry {geometry!r}; known: {', '.join(GEOMETRIES)}") from None
+    return build_into(folder_for(geometry, spec), spec)

@@ -66,16 +66,23 @@ class Server:
         return requests.post(self.url + route, json=body, timeout=timeout)
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+        stop_group(self.proc)
         self._log.close()
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """End the process group of ``proc`` (a server and its schedulers): SIGTERM, then SIGKILL after 60 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
 
 
 def outputs(item: dict) -> tuple[list[int], list[float]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import hashlib
 import json
 import os
 import random
@@ -45,17 +44,10 @@ def checkpoint_pair(geometry: str, root: str) -> tuple[str, str]:
     """Two checkpoints of ``geometry`` (its seed and another), built once under ``root``."""
     from true_on_policy import tiny_model
 
-    paths = []
-    for k, spec in enumerate((spec_of(geometry), dict(spec_of(geometry), seed=spec_of(geometry)["seed"] + 1000))):
-        key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-        folder = Path(root) / f"stress-{geometry}-{k}-{key}"
-        if not (folder / "config.json").is_file():
-            tmp = folder.with_name(folder.name + ".tmp")
-            tmp.mkdir(parents=True, exist_ok=True)
-            tiny_model.build(tmp, spec)
-            os.rename(tmp, folder)
-        paths.append(str(folder))
-    return paths[0], paths[1]
+    spec = spec_of(geometry)
+    pair = (spec, dict(spec, seed=spec["seed"] + 1000))
+    return tuple(tiny_model.build_into(tiny_model.folder_for(f"stress-{geometry}-{k}", s, root), s)
+                 for k, s in enumerate(pair))
 
 
 def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: int) -> list[dict]:
