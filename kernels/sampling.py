@@ -251,7 +251,9 @@ def truncation_params(rows, vocab, device, top_k=None, top_p=None, min_p=None):
 
 def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int = ROW_CHUNK) -> torch.Tensor:
     """fp32 [rows, vocab] logq (see the module docstring); rows that need no truncation are logp.
-    Rows are processed ``chunk`` at a time (row-independent, so the chunk changes no bit)."""
+    ``logp`` holds log-probabilities (each row's probabilities sum to at most 2, so the int64
+    masses cannot overflow). Rows are processed ``chunk`` at a time (row-independent, so the chunk
+    changes no bit)."""
     rows, vocab = logp.shape
     k, p, mp, need = truncation_params(rows, vocab, logp.device, top_k, top_p, min_p)
     out = [_truncate_rows(logp[i:i + chunk], k[i:i + chunk], p[i:i + chunk], mp[i:i + chunk], need[i:i + chunk])
