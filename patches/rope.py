@@ -78,6 +78,21 @@ def rope_of(emb):
                      "contract (default RoPE and YaRN are); it would run as plain RoPE")
 
 
+INV_FREQ_BUFFER = "tpo_inv_freq"
+
+
+def keep_inv_freq(emb, inv) -> None:
+    """Hold the warmed inv_freq (``kernels.rope.inv_freq_cached``) as a non-persistent buffer of
+    ``emb``. It is allocated while the model loads, so under ``--enable-memory-saver`` it lies in
+    the memory saver's weights region, which ``release_memory_occupation`` frees without a copy
+    and no weight update rewrites; SGLang copies every buffer of the model back after
+    ``resume_memory_occupation`` (``_export_static_state`` / ``_import_static_state``: a clone and
+    an in-place copy, the same bits at the same address, which captured graphs read). Not in the
+    state dict; one tensor shared by the layers is one buffer to SGLang."""
+    if getattr(emb, INV_FREQ_BUFFER, None) is not inv:
+        emb.register_buffer(INV_FREQ_BUFFER, inv, persistent=False)
+
+
 def check_built(emb, config) -> None:
     """At model build: ``emb`` is a supported class and, with the model ``config`` at hand, its
     parameters equal the config's under transformers' rules (``kernels.rope.rope_scaling``)."""
@@ -87,7 +102,7 @@ def check_built(emb, config) -> None:
     mine = rope_of(emb)
     cache = getattr(emb, "cos_sin_cache", None)
     if isinstance(cache, torch.Tensor) and cache.device.type == "cuda":  # built on its GPU: warm, outside capture
-        inv_freq_cached(emb.head_size, float(emb.base), mine, cache.device)
+        keep_inv_freq(emb, inv_freq_cached(emb.head_size, float(emb.base), mine, cache.device))
     if config is None:
         return
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
