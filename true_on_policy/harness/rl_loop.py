@@ -31,6 +31,44 @@ def _advantages(rewards, group: int):
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
 
 
+def group_inputs(n_prompts: int, group: int, vocab: int, seed: int) -> list[list[int]]:
+    """Every prompt ``group`` times in a row (a GRPO group per prompt)."""
+    from true_on_policy.harness.parity import make_prompts
+
+    return [p for p in make_prompts(n_prompts, min(vocab, 256), seed, 8, 64) for _ in range(group)]
+
+
+def step_params(step: int, n: int, new_tokens: int) -> list[dict]:
+    """Step ``step``'s sampling parameters: T = 1.0, one seed per sample, never reused across steps."""
+    return [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
+             "sampling_seed": 1_000_003 * step + i} for i in range(n)]
+
+
+def compare(inputs, outs, lp):
+    """The trainer's log-probs ``lp`` [B, S-1] of the right-padded ``inputs[r] + outs[r][0]`` at the
+    sampled tokens (one row slice per sample, gradients kept) and their record against the
+    rollout's ``outs[r][1]``: ``torch.equal``, max |d|, the token count."""
+    import torch
+
+    mine = [lp[r, len(p) - 1:len(p) - 1 + len(t)] for r, (p, (t, _)) in enumerate(zip(inputs, outs, strict=True))]
+    got = torch.cat([m.detach().float().cpu() for m in mine])
+    want = torch.tensor([x for _, lps in outs for x in lps], dtype=torch.float32)
+    diff = (got.double() - want.double()).abs()
+    return mine, {"tokens": int(want.numel()), "bitwise": bool(torch.equal(got, want)), "max_abs_diff": float(diff.max())}
+
+
+def grpo_terms(inputs, outs, lp, group: int):
+    """The step's loss and record (``compare``'s, and the mean reward): a toy reward (the share of
+    even token ids), group-normalised advantages, loss = -mean(advantage x log-prob)."""
+    import torch
+
+    mine, record = compare(inputs, outs, lp)
+    rewards = [sum(1 for x in t if x % 2 == 0) / max(len(t), 1) for t, _ in outs]
+    adv = _advantages(rewards, group).to(lp.device)
+    loss = -torch.stack([(adv[r] * m).sum() for r, m in enumerate(mine)]).sum() / sum(len(t) for t, _ in outs)
+    return loss, {**record, "mean_reward": sum(rewards) / len(rewards)}
+
+
 def _push(eng, model, how: str, folder: str) -> None:
     from true_on_policy.rollout.actor import checked, checkpoint_named_tensors
 
@@ -55,7 +93,7 @@ def run(a) -> dict:
     from transformers import AutoModelForCausalLM
 
     from true_on_policy import tiny_model
-    from true_on_policy.harness.parity import make_prompts, sampled
+    from true_on_policy.harness.parity import sampled
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
     from true_on_policy.trainer import check_rollout, patch_hf_model, right_pad, token_logprobs
 
@@ -64,33 +102,23 @@ def run(a) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
     patch_hf_model(model, contract.name)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    prompts = make_prompts(a.prompts, min(model.config.vocab_size, 256), a.seed, 8, 64)
-    inputs = [p for p in prompts for _ in range(a.group)]
+    inputs = group_inputs(a.prompts, a.group, model.config.vocab_size, a.seed)
     steps = []
     with TrueOnPolicyEngine(contract=contract.name, model_path=model_path, mem_fraction_static=0.3,
                             random_seed=a.seed) as eng, \
             tempfile.TemporaryDirectory(prefix="tpo-rl-") as folder:
         check_rollout(eng, model)
         for s in range(a.steps):
-            params = [{"temperature": 1.0, "max_new_tokens": a.new_tokens, "ignore_eos": True,
-                       "sampling_seed": 1_000_003 * s + i} for i in range(len(inputs))]
+            params = step_params(s, len(inputs), a.new_tokens)
             outs = [sampled(o) for o in eng.generate(input_ids=inputs, sampling_params=params)]
             ids, mask = right_pad([p + t for p, (t, _) in zip(inputs, outs, strict=True)], "cuda")
             lp = token_logprobs(model, ids, mask, 1.0)  # [B, S-1], with gradients
-            mine = [lp[r, len(p) - 1:len(p) - 1 + len(t)] for r, (p, (t, _)) in enumerate(zip(inputs, outs, strict=True))]
-            got = torch.cat([m.detach().float().cpu() for m in mine])
-            want = torch.tensor([x for _, lps in outs for x in lps], dtype=torch.float32)
-            diff = (got.double() - want.double()).abs()
-            rewards = [sum(1 for x in t if x % 2 == 0) / max(len(t), 1) for t, _ in outs]
-            adv = _advantages(rewards, a.group).cuda()
-            loss = -torch.stack([(adv[r] * m).sum() for r, m in enumerate(mine)]).sum() / sum(len(t) for t, _ in outs)
+            loss, record = grpo_terms(inputs, outs, lp, a.group)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             _push(eng, model, a.push, folder)
-            steps.append({"step": s, "tokens": int(want.numel()), "bitwise": bool(torch.equal(got, want)),
-                          "max_abs_diff": float(diff.max()), "mean_reward": sum(rewards) / len(rewards),
-                          "loss": float(loss)})
+            steps.append({"step": s, **record, "loss": float(loss)})
             print(f"step {s}: bitwise={steps[-1]['bitwise']} max|d|={steps[-1]['max_abs_diff']:.3g} "
                   f"reward={steps[-1]['mean_reward']:.3f}", flush=True)
     return {"contract": contract.name, "fingerprint": contract.fingerprint, "model_path": model_path,

@@ -147,6 +147,16 @@ class RolloutEngine:
         return checked(self.engine.engine.update_weights_from_disk(model_path, load_format=load_format),
                        "update_weights_from_disk")
 
+    # --- colocation: SGLang's memory saver (start the actor with enable_memory_saver=True) ----------
+    def release_memory_occupation(self, tags: list[str] | None = None):
+        """Free the GPU memory of ``tags`` (None: KV cache, weights and CUDA graphs) while the engine
+        is idle. Without ``enable_weights_cpu_backup`` the weights hold no values after the resume
+        until an update rewrites all of them (``harness/colocated.py`` pushes every step)."""
+        return self.engine.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None):
+        return self.engine.engine.resume_memory_occupation(tags)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         return self.engine.engine.get_weights_by_name(name, truncate_size)
 
