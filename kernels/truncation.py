@@ -40,8 +40,12 @@ import triton
 import triton.language as tl
 from true_on_policy.kernels.sampling import MASS_BITS, truncation_params
 
-BLOCK = 2048  # vocabulary chunk per loop step (any power of two gives the same bits)
-WAYS = 16  # thresholds tried per pass over the row (any power of two >= 2 gives the same bits)
+# Launch shape. None of these changes a bit: every reduction over the row is an exact integer
+# sum, a min or a max (order- and grouping-free), and the search's answer t* is unique, so the
+# chunk width, the number of thresholds tried per pass and the warps only change the speed.
+BLOCK = 1024  # vocabulary chunk per loop step (a power of two)
+WAYS = 16  # thresholds tried per pass over the row (a power of two >= 2; ceil(32 / log2 WAYS) passes)
+NUM_WARPS = 8
 
 
 # ---------------------------------------------------------------------------- reference
@@ -185,9 +189,10 @@ def _truncate_select_kernel(LOGP, OUT, K, CUT, USEP, MP, NEED, stride_in, stride
 
 # ---------------------------------------------------------------------------- launcher
 def truncate_select(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, block: int = BLOCK,
-                    ways: int = WAYS) -> torch.Tensor:
+                    ways: int = WAYS, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """fp32 [rows, vocab]: bitwise ``kernels.sampling.truncate(logp, top_k, top_p, min_p)``.
-    logp fp32 [rows, vocab] (rows may be strided); top_k / top_p / min_p as ``truncate`` takes them."""
+    logp fp32 [rows, vocab] (rows may be strided); top_k / top_p / min_p as ``truncate`` takes them.
+    One launch, no host synchronisation (CUDA-graph capturable); block / ways / num_warps: speed only."""
     if logp.dim() != 2 or logp.dtype != torch.float32:
         raise ValueError(f"logp must be fp32 [rows, vocab], got {logp.dtype} {tuple(logp.shape)}")
     if block & (block - 1) or ways & (ways - 1) or ways < 2:
@@ -201,5 +206,6 @@ def truncate_select(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, bloc
         cut = (p * 2.0 ** MASS_BITS).to(torch.int64)
         _truncate_select_kernel[(rows,)](
             logp, out, k.contiguous(), cut, (p < 1.0).to(torch.int8), mp.contiguous(),
-            need.to(torch.int8), logp.stride(0), out.stride(0), vocab, BLOCK=block, WAYS=ways)
+            need.to(torch.int8), logp.stride(0), out.stride(0), vocab, BLOCK=block, WAYS=ways,
+            num_warps=num_warps)
     return out
