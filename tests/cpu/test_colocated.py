@@ -211,7 +211,7 @@ def test_ray_workers_keep_the_drivers_pythonpath(monkeypatch):
     import os
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/gpu-site/site", "/x"]))
-    path = colocated._worker_env()["PYTHONPATH"].split(os.pathsep)
+    path = colocated.worker_env()["PYTHONPATH"].split(os.pathsep)
     assert path[1:] == ["/tmp/gpu-site/site", "/x"] and path[0].endswith(("main", "")) and os.path.isdir(path[0])
 
 

@@ -2,7 +2,7 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | tp2 | pp2 (two GPUs each) | all (the
+#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | tp2 | pp2 (two GPUs each) | all (the
 #        one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space and tailprofile)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
@@ -188,6 +188,17 @@ case $GROUP in
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
       --pp-size 2 --prompts 64 --new-tokens 64 --out "$E/parity-tpo-pp2-embedded.json"
     run tier gpu-tier-pp2 tests/gpu/test_pp_gpu.py ;;
+  colocated)  # issue 38: GRPO colocated on one GPU through Ray (SGLang's memory saver, weights over CUDA IPC) at the
+    # 30B-A3B layer shape with 6 layers: 100 steps with the HF trainer, then 20 with stock SGLang and stock transformers
+    # (the per-step cost); 20 with the Megatron-core trainer (TP1); the Ray, Megatron and colocated GPU tests.
+    # Needs Ray and megatron-core (tests/gpu/extra-requirements.txt). PART=hf|megatron|tests runs one line (one device call each)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
+    C="python3 -m true_on_policy.harness.colocated --geometry a3b6"
+    part hf && run $C --trainer hf --steps 100 --stock --stock-steps 20 --out "$E/colocated-hf-a3b6.json"
+    part megatron && run $C --trainer megatron --steps 20 --out "$E/colocated-megatron-a3b6.json"
+    part tests && run tier gpu-tier-colocated tests/gpu/test_ray_gpu.py tests/gpu/test_megatron_gpu.py \
+      tests/gpu/test_colocated_gpu.py ;;
   parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac

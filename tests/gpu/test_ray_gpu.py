@@ -23,10 +23,11 @@ N_PROMPTS, NEW_TOKENS, T = 8, 24, 1.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_cache):
-    from helpers import ROOT
+    from true_on_policy.harness.colocated import worker_env
 
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield {"PYTHONPATH": str(ROOT), "TRUE_ON_POLICY_CACHE": tiny_cache}
+    workers = worker_env()  # the checkout and the driver's PYTHONPATH (on a bundle host, where Ray itself lives)
+    ray.init(include_dashboard=False, runtime_env={"env_vars": workers})
+    yield {**workers, "TRUE_ON_POLICY_CACHE": tiny_cache}
     ray.shutdown()
 
 

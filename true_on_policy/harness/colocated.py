@@ -203,7 +203,7 @@ def _one_loop(a, model_path: str, contract, stock: bool) -> dict:
     from true_on_policy.harness import colocated_trainers as ct
 
     kw = dict(model_path=model_path, mem_fraction_static=a.mem, enable_memory_saver=True, random_seed=a.seed)
-    renv = {"env_vars": _worker_env()}
+    renv = {"env_vars": worker_env()}
     if stock:
         actor = ray.remote(StockRolloutEngine).options(num_gpus=a.num_gpus, runtime_env=renv).remote(**kw)
     else:
@@ -237,12 +237,15 @@ def run(a) -> dict:
 
     contract = _contract(a.contract)
     model_path = a.model_path or tiny_model.ensure(a.geometry)
-    ray.init(include_dashboard=False, runtime_env={"env_vars": _worker_env()})
+    own = not ray.is_initialized()  # a caller's cluster (a test's) is used as it is
+    if own:
+        ray.init(include_dashboard=False, runtime_env={"env_vars": worker_env()})
     try:
         tpo = _one_loop(a, model_path, contract, stock=False)
         stock = _one_loop(a, model_path, contract, stock=True) if a.stock else None
     finally:
-        ray.shutdown()
+        if own:
+            ray.shutdown()
     return {"contract": contract.name, "fingerprint": contract.fingerprint, "trainer": a.trainer,
             "model_path": model_path, "geometry": None if a.model_path else a.geometry, "steps": a.steps,
             "prompts": a.prompts, "group": a.group, "new_tokens": a.new_tokens, "lr": a.lr, "seed": a.seed,
@@ -250,7 +253,7 @@ def run(a) -> dict:
             "cost_per_step": cost_per_step(tpo["step_time_s"], stock and stock["step_time_s"])}
 
 
-def _worker_env() -> dict:
+def worker_env() -> dict:
     """The driver's PYTHONPATH for Ray's workers (the checkout and, on a host without a package
     index, the site folder holding Ray itself: a worker without it cannot import ray)."""
     import os
