@@ -1,19 +1,22 @@
 """Kernels on the CPU: references against float64, and the Triton kernels under
-TRITON_INTERPRET=1 (run in a subprocess: the flag is read when a kernel is defined).
+TRITON_INTERPRET=1 (in another process: the flag is read when a kernel is defined; the scripts
+run in forks of one process that imported the kernels, ``FORK_SERVER``).
 
 The interpreter rounds fp32 -> bf16 by truncation (GPU Triton rounds to nearest even), so here
 bf16 kernel outputs are compared to the reference with a tolerance; row/batch invariance is
 asserted bitwise. The GPU tier checks the rounding itself.
 """
 
+import json
 import math
 import os
+import select
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import ROOT, run_py
+from helpers import ROOT
 from true_on_policy.kernels.attention import attention_reference, contiguous_layout
 from true_on_policy.kernels.logprobs import token_logprobs_reference
 from true_on_policy.kernels.matmul import matmul_reference, tree_sum
@@ -42,6 +45,71 @@ def test_logprobs_reference_vs_float64():
     lp = token_logprobs_reference(logits, tok, 0.7)
     ref = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# One process imports torch, Triton (TRITON_INTERPRET=1: read when a kernel is defined) and the
+# kernels, once; each script then runs as __main__ in a fork of it, so it starts from that state
+# and what it changes (a module constant, the process's tree width) dies with the fork. Forking
+# needs a single-threaded parent: checked before every fork.
+FORK_SERVER = r"""
+import json, os, runpy, sys, threading, traceback
+sys.path.insert(0, "tests")
+import torch, triton, helpers
+for op in ("attention", "grouped_tma", "logprobs", "matmul", "moe", "rmsnorm", "rope", "sampling", "seg_tree",
+           "tree_reduce"):
+    __import__("true_on_policy.kernels." + op)
+print("ready", flush=True)
+for line in sys.stdin:
+    script, out, err = json.loads(line)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+    if threads != 1:
+        raise SystemExit(f"the fork server has {threads} threads; a fork would copy one of them")
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        code = 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """``run(script) -> CompletedProcess``: the script run as __main__ under TRITON_INTERPRET=1, in
+    a fork of one process that imported torch, Triton and the kernels (``FORK_SERVER``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_TRUE_ON_POLICY", "NCCL_"))}
+    env.update(TRITON_INTERPRET="1", OPENBLAS_NUM_THREADS="1")  # numpy's BLAS pool would be a second thread
+    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env)
+    folder = tmp_path_factory.mktemp("interpreted")
+
+    def reply(timeout):
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        line = server.stdout.readline() if ready else ""
+        assert line, f"the fork server gave no answer in {timeout} s (exit code {server.poll()})"
+        return line
+
+    assert reply(240) == "ready\n"
+
+    def run(script):
+        out, err = folder / (script.stem + ".out"), folder / (script.stem + ".err")
+        server.stdin.write(json.dumps([str(script), str(out), str(err)]) + "\n")
+        server.stdin.flush()
+        code = json.loads(reply(600))
+        return subprocess.CompletedProcess([str(script)], code, out.read_text(), err.read_text())
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
 
 
 INTERPRETED = """
@@ -74,8 +142,9 @@ print("interpreted-ok")
 """
 
 
-def test_triton_kernels_under_interpreter():
-    r = run_py(INTERPRETED, {"TRITON_INTERPRET": "1"})
+def test_triton_kernels_under_interpreter(interpreted, tmp_path):
+    (tmp_path / "interpreted.py").write_text(INTERPRETED)
+    r = interpreted(tmp_path / "interpreted.py")
     assert r.returncode == 0 and "interpreted-ok" in r.stdout, r.stderr[-3000:]
 
 
@@ -150,9 +219,9 @@ def test_rope_reference_vs_float64():
 @pytest.mark.parametrize("script", ["matmul_tree.py", "attention_rope.py", "attention_groups.py", "moe_logprobs.py",
                                     "logprobs_vocab.py", "sampling.py", "moe_align.py",
                                     "seg_tree_tma.py", "rmsnorm_heads.py", "tree_width.py"])
-def test_interpreted_kernels(script):
+def test_interpreted_kernels(interpreted, script):
     """Batch/column/TP/EP/prefill-decode invariance of the Triton kernels, bitwise, interpreted."""
-    r = run_py((ROOT / "tests" / "cpu" / "interpreted" / script).read_text(), {"TRITON_INTERPRET": "1"})
+    r = interpreted(ROOT / "tests" / "cpu" / "interpreted" / script)
     assert r.returncode == 0 and "interpreted-ok" in r.stdout, r.stderr[-3000:]
 
 
