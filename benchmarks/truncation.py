@@ -9,7 +9,8 @@ alternately in one run (the order flips every repetition), each call between two
 after warm-up; the table gives the median ms of each and the ratio (truncate / select: above 1,
 selection is faster). Settings: Qwen3's sampling (top_k 20, top_p 0.95), top_p 0.9 alone (the
 cut by mass: the selection's costlier path) and min_p 0.05 alone. ``--block/--ways/--num-warps``
-pick the kernel's launch shape (speed only; the bits do not depend on it).
+pick the kernel's launch shape (speed only; the bits do not depend on it); ``--sweep`` times the
+selection alone over several launch shapes at the largest batch (and checks their bits).
 """
 
 from __future__ import annotations
@@ -57,6 +58,28 @@ def measure(rows: int, setting: str, reps: int, scale: float, block: int, ways: 
             "select_ms": med["select"], "ratio": med["truncate"] / med["select"], "same_bits": same, "reps": reps}
 
 
+SHAPES = [(b, w, n) for b in (256, 512, 1024, 2048) for w in (4, 8, 16, 32) for n in (4, 8, 16) if b * w <= 32768]
+
+
+def sweep(rows: int, setting: str, reps: int, scale: float) -> list[dict]:
+    """The selection kernel alone over SHAPES (block, ways, num_warps) on one batch; bits checked."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logp = log_softmax_rows(torch.randn(rows, VOCAB, generator=g, device="cuda") * scale, 1.0)
+    k, p, mp = SETTINGS[setting]
+    want = truncate(logp, k, p, mp)
+    out = []
+    for block, ways, warps in SHAPES:
+        fn = lambda b=block, w=ways, n=warps: truncate_select(logp, k, p, mp, block=b, ways=w, num_warps=n)
+        same = torch.equal(fn(), want)
+        for _ in range(3):
+            fn()
+        ms = statistics.median(_time(fn) for _ in range(reps))
+        out.append({"rows": rows, "setting": setting, "block": block, "ways": ways, "num_warps": warps,
+                    "select_ms": ms, "same_bits": same})
+        print(f"| {block} | {ways} | {warps} | {ms:.3f} | {same} |", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -66,6 +89,7 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=BLOCK)
     ap.add_argument("--ways", type=int, default=WAYS)
     ap.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    ap.add_argument("--sweep", action="store_true", help="also time the launch shapes at the largest batch")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
@@ -77,11 +101,15 @@ def main(argv=None):
     for r in table:
         print(f"| {r['rows']} | {r['setting']} | {r['truncate_ms']:.3f} | {r['select_ms']:.3f} | "
               f"{r['ratio']:.2f} | {r['same_bits']} |")
+    shapes = []
+    if args.sweep:
+        print("| block | ways | num_warps | select ms | same bits |\n|---:|---:|---:|---:|---|")
+        shapes = [r for s in args.settings for r in sweep(max(args.batches), s, args.reps, args.scale)]
     if args.out:
         launch = {"block": args.block, "ways": args.ways, "num_warps": args.num_warps}
         write_evidence(args.out, {"vocab": VOCAB, "launch": launch, "timing": "cuda events, alternated",
-                                  "table": table}, prov)
-    return 0 if all(r["same_bits"] for r in table) else 1
+                                  "table": table, "shapes": shapes}, prov)
+    return 0 if all(r["same_bits"] for r in table + shapes) else 1
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from true_on_policy.kernels.sampling import MASS_BITS, truncation_params
 # Launch shape. None of these changes a bit: every reduction over the row is an exact integer
 # sum, a min or a max (order- and grouping-free), and the search's answer t* is unique, so the
 # chunk width, the number of thresholds tried per pass and the warps only change the speed.
-BLOCK = 1024  # vocabulary chunk per loop step (a power of two)
+BLOCK = 512  # vocabulary chunk per loop step (a power of two; the search tile is BLOCK x WAYS)
 WAYS = 16  # thresholds tried per pass over the row (a power of two >= 2; ceil(32 / log2 WAYS) passes)
 NUM_WARPS = 8
 
