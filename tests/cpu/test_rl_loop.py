@@ -33,7 +33,7 @@ def test_an_unknown_contract_is_refused_before_any_gpu_work(tmp_path, monkeypatc
 
 def test_the_contract_named_is_the_one_the_loop_runs_under():
     from true_on_policy import DEFAULT_CONTRACT
-    from true_on_policy.harness.rl_loop import _contract
+    from true_on_policy.harness.rl_loop import contract_named
 
-    assert _contract(None).name == DEFAULT_CONTRACT
-    assert _contract("qwen3_moe_true_on_policy_flat_v1").tree_width == 1
+    assert contract_named(None).name == DEFAULT_CONTRACT
+    assert contract_named("qwen3_moe_true_on_policy_flat_v1").tree_width == 1

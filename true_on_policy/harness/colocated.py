@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from true_on_policy.harness.rl_loop import _contract, compare, group_inputs, grpo_terms, step_params
+from true_on_policy.harness.rl_loop import compare, contract_named, group_inputs, grpo_terms, step_params
 
 PROBE_SEED = 424_242
 
@@ -235,7 +235,7 @@ def run(a) -> dict:
 
     from true_on_policy import tiny_model
 
-    contract = _contract(a.contract)
+    contract = contract_named(a.contract)
     model_path = a.model_path or tiny_model.ensure(a.geometry)
     own = not ray.is_initialized()  # a caller's cluster (a test's) is used as it is
     if own:
@@ -285,7 +285,7 @@ def parse(argv=None):
     from true_on_policy.contract import UnknownContractError
 
     try:
-        _contract(a.contract)  # refused here, before Ray or a GPU is touched
+        contract_named(a.contract)  # refused here, before Ray or a GPU is touched
     except UnknownContractError as e:
         p.error(str(e))
     if a.group < 4:

@@ -80,7 +80,7 @@ def _push(eng, model, how: str, folder: str) -> None:
         checked(eng.engine.update_weights_from_disk(folder), "update_weights_from_disk")
 
 
-def _contract(name):
+def contract_named(name):
     """The contract the loop runs under (``--contract``, else the default); unknown names raise."""
     from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
@@ -97,7 +97,7 @@ def run(a) -> dict:
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
     from true_on_policy.trainer import check_rollout, patch_hf_model, right_pad, token_logprobs
 
-    contract = _contract(a.contract)
+    contract = contract_named(a.contract)
     model_path = a.model_path or tiny_model.ensure(a.geometry)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
     patch_hf_model(model, contract.name)
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     from true_on_policy.contract import UnknownContractError
 
     try:
-        _contract(a.contract)  # an unknown name is refused here, before any GPU work
+        contract_named(a.contract)  # an unknown name is refused here, before any GPU work
     except UnknownContractError as e:
         p.error(str(e))
     from true_on_policy.harness.provenance import provenance, write_evidence
