@@ -23,6 +23,15 @@ def _batch(inputs, outs, device):
     return right_pad([p + list(t) for p, (t, _) in zip(inputs, outs, strict=True)], device)
 
 
+def _sync(device) -> None:
+    """The step's kernels done before its time is taken (the update over CUDA IPC waits for them
+    anyway: torch shares a CUDA tensor with an event the receiver waits on)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def stock_token_logprobs(model, ids, mask, temperature: float = T):
     """Stock transformers: fp32 ``log_softmax(logits / T)`` at each next token, [B, S-1]."""
     import torch
@@ -62,6 +71,7 @@ class HFTrainer:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)  # the gradients' memory goes back before the engine resumes
+        _sync(self.device)
 
     def named_tensors(self):
         from true_on_policy.rollout.actor import checkpoint_named_tensors
@@ -129,6 +139,7 @@ class MegatronTrainer:
         tm.finalize_grads(self.model)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        _sync(self.device)
 
     def named_tensors(self):
         """Whole tensors under the checkpoint's names (copies): kept here until the next call, so
