@@ -72,6 +72,11 @@ CUDA_VISIBLE_DEVICES = EnvVar(
     "CUDA_VISIBLE_DEVICES",
     "read by the rollout actor to turn the GPU ids Ray assigned into SGLang's base_gpu_id",
 )
+PYTHONPATH = EnvVar(
+    "PYTHONPATH",
+    "read by the colocated driver (harness/colocated.py) and handed to Ray's workers in runtime_env: on a host "
+    "without a package index Ray itself is found there",
+)
 
 # --- SGLang's, read by us -------------------------------------------------------------------
 SGLANG_PLUGINS = EnvVar(

@@ -108,12 +108,12 @@ def driver_device(actor_gpu_ids, visible: str | None = None) -> int:
     """This driver's CUDA index of the rollout actor's GPU (the trainer must share it): its position
     in the driver's ``CUDA_VISIBLE_DEVICES`` (default: read from the environment), or the id itself
     when every GPU is visible."""
-    import os
+    from true_on_policy import env
 
     if not actor_gpu_ids:
         raise RuntimeError("Ray gave the rollout actor no GPU: start it with num_gpus > 0")
     gid = str(actor_gpu_ids[0]).strip()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    visible = env.CUDA_VISIBLE_DEVICES.get() if visible is None else visible
     if not visible:
         return int(gid)
     order = [v.strip() for v in visible.split(",")]
@@ -258,9 +258,10 @@ def worker_env() -> dict:
     index, the site folder holding Ray itself: a worker without it cannot import ray)."""
     import os
 
+    from true_on_policy import env
     from true_on_policy.harness.provenance import checkout_root
 
-    path = [str(checkout_root()), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    path = [str(checkout_root()), *filter(None, (env.PYTHONPATH.get() or "").split(os.pathsep))]
     return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
 
 
