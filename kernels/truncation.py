@@ -44,7 +44,7 @@ from true_on_policy.kernels.sampling import MASS_BITS, truncation_params
 # sum, a min or a max (order- and grouping-free), and the search's answer t* is unique, so the
 # chunk width, the number of thresholds tried per pass and the warps only change the speed.
 BLOCK = 512  # vocabulary chunk per loop step (a power of two; the search tile is BLOCK x WAYS)
-WAYS = 16  # thresholds tried per pass over the row (a power of two >= 2; ceil(32 / log2 WAYS) passes)
+WAYS = 16  # thresholds tried per pass over the row (a power of two >= 2; <= ceil(32 / log2 WAYS) passes)
 NUM_WARPS = 8
 
 
@@ -110,9 +110,12 @@ def _mass(x):
 def _truncate_select_kernel(LOGP, OUT, K, CUT, USEP, MP, NEED, stride_in, stride_out, VOCAB,
                             BLOCK: tl.constexpr, WAYS: tl.constexpr):
     """One row: logq (or logp when the row needs no truncation). Passes over the row in BLOCK
-    chunks: min/max key; L_m (when min_p > 0); ceil(32 / log2 WAYS) search passes, each giving
-    C and G at WAYS - 1 thresholds at once; the tie statistics at t*; the output. All reductions
-    are exact (int64 sums, min, max, an int32 running count), so BLOCK and WAYS change no bit."""
+    chunks: min/max key; L_m (when min_p > 0); at most ceil(32 / log2 WAYS) search passes, each
+    giving C and G at WAYS - 1 thresholds at once (G only when top_p < 1); the tie statistics at
+    t*; the output. All reductions are exact (int64 sums and counts, min, max; the tie rank an
+    int64 prefix count in id order), so BLOCK and WAYS change no bit. The fp64 exp and log must
+    give torch's bits on the same device (CUDA: libdevice, the CUDA math library torch's fp64
+    exp / log also use); the GPU tier asserts the result."""
     row = tl.program_id(0).to(tl.int64)
     src = row * stride_in
     dst = row * stride_out
