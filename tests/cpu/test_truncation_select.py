@@ -8,6 +8,7 @@ runs under TRITON_INTERPRET=1 in a subprocess (``tests/cpu/interpreted/truncatio
 """
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -170,3 +171,29 @@ def test_kernel_under_interpreter():
                {"TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and "interpreted-ok" in r.stdout, r.stderr[-3000:]
 
+
+
+LOWERING = """
+import json
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from true_on_policy.kernels.truncation import BLOCK, NUM_WARPS, WAYS, _truncate_select_kernel
+sig = {"LOGP": "*fp32", "OUT": "*fp32", "K": "*i64", "CUT": "*i64", "USEP": "*i8", "MP": "*fp64", "NEED": "*i8",
+       "stride_in": "i32", "stride_out": "i32", "VOCAB": "i32", "BLOCK": "constexpr", "WAYS": "constexpr"}
+src = ASTSource(fn=_truncate_select_kernel, signature=sig, constexprs={"BLOCK": BLOCK, "WAYS": WAYS})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}).asm["ptx"]
+print(json.dumps(sorted(set(re.findall(r"__nv_[a-z0-9_]+|ex2\\.approx|lg2\\.approx|cvt\\.r[a-z]*\\.[a-z0-9]+\\.[a-z0-9]+", ptx)))))
+"""
+
+
+def test_kernel_lowers_fp64_exp_log_and_roundings_like_torch_on_sm90():
+    """Compiled for an H200 (sm_90) without a GPU: the fp64 exp / log are libdevice calls (the CUDA
+    math library torch's fp64 exp / log use), not the fp32 approximations; double -> int64
+    truncates (torch's ``.to(int64)``), int64 -> double and double -> fp32 round to nearest."""
+    r = run_py(LOWERING, {"TRITON_INTERPRET": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert {"__nv_exp", "__nv_log", "cvt.rzi.s64.f64", "cvt.rn.f64.s64", "cvt.rn.f32.f64"} <= found, found
+    assert not found & {"ex2.approx", "lg2.approx"}, found
