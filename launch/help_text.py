@@ -89,9 +89,12 @@ def sglang_help(cache: Path) -> str:
     if path.is_file():
         return path.read_text()
     text = render_sglang_help()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # concurrent --help calls: whole files only
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # concurrent --help calls: whole files only
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:  # an unwritable cache folder: the help is still printed, rendered again next time
+        pass
     return text

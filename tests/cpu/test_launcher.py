@@ -342,3 +342,14 @@ def test_checkpoint_without_tokenizer_files_is_refused_unless_skip_tokenizer_ini
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli(*dry, "--tokenizer-path", str(tmp_path / "absent"))
     assert r.returncode == 2 and "--tokenizer-path: " in r.stderr and "is not a local folder" in r.stderr, r.stderr
+
+
+def test_help_prints_when_the_cache_cannot_be_written(tmp_path, monkeypatch):
+    """The cache is an optimisation: where --help cannot write it (here the cache path is a file, which
+    stops root too), the whole help is still printed."""
+    from launch import help_text
+
+    monkeypatch.setattr(help_text, "render_sglang_help", lambda: "usage: rendered\n")
+    (tmp_path / "cache").write_text("not a folder")
+    assert help_text.sglang_help(tmp_path / "cache") == "usage: rendered\n"
+    assert (tmp_path / "cache").read_text() == "not a folder"
