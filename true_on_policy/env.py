@@ -41,7 +41,8 @@ KEEP_MANIFESTS = EnvVar(
 )
 CACHE_DIR = EnvVar(
     "TRUE_ON_POLICY_CACHE",
-    "where the embedded tiny Qwen3-MoE checkpoint is built (default ~/.cache/true_on_policy)",
+    "where the embedded Qwen3-MoE checkpoints are built and SGLang's --help text is cached "
+    "(default ~/.cache/true_on_policy)",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(
