@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from true_on_policy.contract import UnknownContractError, get_contract, known_contracts
+from true_on_policy.contract import UnknownContractError, contract_status, get_contract, known_contracts
 
 
 def main(argv=None) -> int:
@@ -14,13 +14,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="group", required=True)
     contract = sub.add_parser("contract", help="inspect the registered contracts")
     csub = contract.add_subparsers(dest="action", required=True)
-    csub.add_parser("list", help="names of the registered contracts")
+    csub.add_parser("list", help="the registered contracts: name, status, fingerprint")
     for action in ("show", "fingerprint"):
         p = csub.add_parser(action, help=f"{action} one contract")
         p.add_argument("name")
     args = parser.parse_args(argv)
     if args.action == "list":
-        print("\n".join(known_contracts()))
+        for name in known_contracts():
+            print(f"{name}  {contract_status(name)}  {get_contract(name).fingerprint[:12]}")
         return 0
     try:
         c = get_contract(args.name)

@@ -153,3 +153,18 @@ def test_prefill_graph_previews_differ_from_their_base_only_in_the_prefill_graph
     assert graph_backends(b) == {"decode": ("full", "disabled"), "prefill": ("disabled",)}
     assert pg.fingerprint != b.fingerprint and Contract.from_json(pg.canonical_json()) == pg
     assert get_contract(FLAT).fingerprint == FLAT_FINGERPRINT and "preview" in pg.notes[-1].lower()
+
+
+def test_the_registry_has_a_status_column_outside_the_fingerprint():
+    from true_on_policy.contract import contract_status, known_contracts
+    from true_on_policy.contract.schema import STATUSES
+
+    status = {n: contract_status(n) for n in known_contracts()}
+    assert set(status.values()) <= set(STATUSES)
+    assert status["qwen3_moe_true_on_policy_flat_v1"] == "verified" == status["qwen3_moe_true_on_policy_v1"]
+    assert all(status[n] == "preview" for n in status if "preview" in n)
+    r = run_py("import sys; from true_on_policy.__main__ import main; sys.exit(main(['contract','list']))")
+    assert r.returncode == 0
+    rows = [line.split() for line in r.stdout.strip().splitlines()]
+    assert {row[0]: row[1] for row in rows} == status
+    assert all(get_contract(row[0]).fingerprint.startswith(row[2]) for row in rows)

@@ -20,10 +20,11 @@ from true_on_policy.contract.schema import (
     Layouts,
     OpNumerics,
     UnknownContractError,
+    contract_status,
     get_contract,
     known_contracts,
     register,
 )
 
-__all__ = ["ArgRule", "Contract", "EnvRule", "Layouts", "OpNumerics", "UnknownContractError", "get_contract",
-           "known_contracts", "register"]
+__all__ = ["ArgRule", "Contract", "EnvRule", "Layouts", "OpNumerics", "UnknownContractError", "contract_status",
+           "get_contract", "known_contracts", "register"]

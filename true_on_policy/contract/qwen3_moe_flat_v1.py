@@ -54,4 +54,4 @@ CONTRACT = register(dataclasses.replace(
     ),
     notes=v1.CONTRACT.notes + ("v1 at tree width 1: o_proj and the MoE down projection as plain K loops (see "
                                "module docstring).",),
-))
+), status="verified")

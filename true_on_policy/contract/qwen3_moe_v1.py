@@ -228,4 +228,4 @@ CONTRACT = register(Contract(
     rl_on_policy_target="true_on_policy",
     notes=("The rollout routes every op of the numerics table through true_on_policy.kernels "
            "(patches/); the trainer side is true_on_policy.trainer on transformers.",),
-))
+), status="verified")

@@ -176,6 +176,14 @@ def _build(cls, d: dict):
 
 # --- registry -------------------------------------------------------------------------------
 _REGISTRY: dict[str, Contract] = {}
+# the registry's status column (not part of a contract's fingerprint: a preview may become verified
+# without a change to what it computes)
+STATUSES = {
+    "verified": "measured bitwise against the trainer on a GPU, at this fingerprint or an earlier one (docs/evidence.md "
+                "gives each run's fingerprint)",
+    "preview": "registered and checked on the CPU; its GPU evidence is partial or missing",
+}
+_STATUS: dict[str, str] = {}
 
 
 class UnknownContractError(KeyError):
@@ -183,12 +191,21 @@ class UnknownContractError(KeyError):
         return self.args[0]
 
 
-def register(contract: Contract) -> Contract:
+def register(contract: Contract, status: str = "preview") -> Contract:
+    if status not in STATUSES:
+        raise ValueError(f"contract {contract.name}: status {status!r} is not one of {', '.join(STATUSES)}")
     old = _REGISTRY.get(contract.name)
     if old is not None and old != contract:
         raise ValueError(f"contract {contract.name} is already registered with other content")
     _REGISTRY[contract.name] = contract
+    _STATUS[contract.name] = status
     return contract
+
+
+def contract_status(name: str) -> str:
+    """The registry's status of a contract: ``verified`` or ``preview`` (``STATUSES``)."""
+    get_contract(name)
+    return _STATUS[name]
 
 
 def get_contract(name: str) -> Contract:
