@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from true_on_policy.kernels.logprobs import SHARDS, finish, shard_stats, temperatures, token_z
 
-_U_SCALE = 1.0 / 4294967296.0  # 2^-32
+_U_SCALE = 2.0 ** -32
 ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are row-independent)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import string
 import sys
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def provenance_cells(doc: dict, rel: str) -> list[str]:
     prov = doc.get("provenance") or {}
     git = prov.get("git") or {}
     commit = str(git.get("claimed_commit") or git.get("commit") or "")
-    if commit and not (7 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit)):
+    if commit and not (7 <= len(commit) <= 40 and all(c in string.hexdigits.lower() for c in commit)):
         commit = f"– (claimed: {commit})"  # not a commit: --verify names the one that ran by its source hash
     tree = {True: "dirty", False: "clean"}.get(git.get("dirty"), "no git")
     date = str(prov.get("started_at") or "–")[:16].replace("T", " ")
