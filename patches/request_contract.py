@@ -117,9 +117,12 @@ def _make_create(original):
             return original(self, obj, input_text, input_ids, *args, **kwargs)
         from true_on_policy.contract.requests import sampling_problems, tokenized_problems
 
-        merged = {**(self.preferred_sampling_params or {}), **(obj.sampling_params or {})}
-        found = sampling_problems(merged, _limits(self)) + tokenized_problems(
-            input_ids, obj.logprob_start_len, _limits(self).vocab_size)
+        limits, sent = _limits(self), obj.sampling_params or {}
+        # the request's own fields (and token-id prompts) were checked in generate_request; here what
+        # only this step knows: the server's defaults it takes, and the ids of a text prompt
+        defaults = {k: v for k, v in (self.preferred_sampling_params or {}).items() if k not in sent}
+        found = sampling_problems(defaults, limits, "--preferred-sampling-params") + tokenized_problems(
+            input_ids, obj.logprob_start_len, limits.vocab_size, ids_checked=obj.input_ids is not None)
         if found:
             _refuse("invalid field(s)", found)
         result = original(self, obj, input_text, input_ids, *args, **kwargs)

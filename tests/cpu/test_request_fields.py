@@ -94,6 +94,25 @@ def test_after_tokenization_ids_and_logprob_start_are_inside_the_prompt():
     assert tokenized_problems([1, 2, 3], -1, 512) == []
     assert "logprob_start_len" in tokenized_problems([1, 2, 3], 3, 512)[0]
     assert "input_ids" in tokenized_problems([1, 600], -1, 512)[0]
+    assert tokenized_problems([1, 600], -1, 512, ids_checked=True) == []  # judged before, in generate_request
+
+
+def test_create_judges_the_server_defaults_a_request_takes(monkeypatch):
+    from true_on_policy.patches import request_contract as rc
+
+    monkeypatch.setenv("SGLANG_TRUE_ON_POLICY", "1")
+    made = []
+    create = rc._make_create(lambda self, obj, text, ids, *a, **k: made.append(ids) or types.SimpleNamespace(
+        sampling_params=None))
+    tm = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=512, hidden_size=8),
+                               preferred_sampling_params={"top_p": "x", "top_k": 20})
+    with pytest.raises(ValueError) as e:
+        create(tm, _req(text="hi", sampling_params={}), "hi", [1, 2])
+    assert "--preferred-sampling-params.top_p" in str(e.value) and made == []
+    create(tm, _req(text="hi", sampling_params={"top_p": 0.9}), "hi", [1, 2])  # the request overrides it
+    with pytest.raises(ValueError) as e:  # a text prompt's ids are judged once tokenized
+        create(tm, _req(text="hi", sampling_params={"top_p": 0.9}), "hi", [1, 600])
+    assert "input_ids" in str(e.value) and made == [[1, 2]]
 
 
 json_values = st.recursive(

@@ -228,11 +228,13 @@ def request_problems(obj, limits: Limits, known_sampling=None) -> list[str]:
     return p
 
 
-def tokenized_problems(input_ids, logprob_start_len, vocab_size: int) -> list[str]:
-    """After tokenization (a text prompt's ids known): ids in range, logprob_start_len inside the prompt."""
+def tokenized_problems(input_ids, logprob_start_len, vocab_size: int, ids_checked: bool = False) -> list[str]:
+    """After tokenization (a text prompt's ids known): ids in range (unless ``ids_checked``: the
+    request sent them and ``request_problems`` judged them), logprob_start_len inside the prompt."""
     p = _Problems()
     if input_ids is not None:
-        _ids(p, "input_ids", list(input_ids), vocab_size)
+        if not ids_checked:
+            _ids(p, "input_ids", list(input_ids), vocab_size)
         if _is_int(logprob_start_len) and logprob_start_len >= len(input_ids) and len(input_ids) > 0:
             p.add("logprob_start_len", logprob_start_len, f"-1 or an integer in [0, {len(input_ids) - 1}]")
     return p
