@@ -91,6 +91,18 @@ def outputs(item: dict) -> tuple[list[int], list[float]]:
     return [int(t[1]) for t in lp], [float(t[0]) for t in lp]
 
 
+def samples(prompt: list[int], data, tag: str | None = None) -> list[dict]:
+    """One sample per sequence of a ``/generate`` answer (one item, or a list for n > 1): prompt,
+    tokens, log-probs, the parameters and seed the server reports it drew with (``id``: tag.j)."""
+    out = []
+    for j, item in enumerate(data if isinstance(data, list) else [data]):
+        toks, lps = outputs(item)
+        out.append({**({"id": f"{tag}.{j}"} if tag is not None else {}), "prompt": prompt, "tokens": toks,
+                    "logprobs": lps, "used": item["meta_info"]["sampling_params_used"],
+                    "seed": item["meta_info"].get("sampling_seed")})
+    return out
+
+
 def trainer(model_path: str):
     """The patched transformers trainer on the GPU (the default contract)."""
     import torch

@@ -129,15 +129,9 @@ def send(server, route: str, body) -> tuple[int, object]:
 
 
 def samples_of(body: dict, data) -> list[dict]:
-    from true_on_policy.harness.http import outputs
+    from true_on_policy.harness.http import samples
 
-    items = data if isinstance(data, list) else [data]
-    out = []
-    for item in items:
-        toks, lps = outputs(item)
-        out.append({"prompt": body["input_ids"], "tokens": toks, "logprobs": lps,
-                    "used": item["meta_info"]["sampling_params_used"], "seed": item["meta_info"].get("sampling_seed")})
-    return out
+    return samples(body["input_ids"], data)
 
 
 G = {"input_ids": [5, 17, 99, 3, 42, 7, 200, 11], "return_logprob": True,

@@ -85,16 +85,9 @@ def send_round(server, bodies: list[dict], workers: int) -> list[dict]:
         r = server.post("/generate", req)
         if r.status_code != 200:
             raise RuntimeError(f"{body['id']}: HTTP {r.status_code}: {r.text[:500]}")
-        items = r.json() if isinstance(r.json(), list) else [r.json()]
-        from true_on_policy.harness.http import outputs
+        from true_on_policy.harness.http import samples
 
-        res = []
-        for j, item in enumerate(items):
-            toks, lps = outputs(item)
-            res.append({"id": f"{body['id']}.{j}", "prompt": body["input_ids"], "tokens": toks, "logprobs": lps,
-                        "used": item["meta_info"]["sampling_params_used"],
-                        "seed": item["meta_info"].get("sampling_seed")})
-        return res
+        return samples(body["input_ids"], r.json(), body["id"])
 
     with cf.ThreadPoolExecutor(workers) as pool:
         return [s for part in pool.map(one, bodies) for s in part]
