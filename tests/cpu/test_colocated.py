@@ -4,6 +4,7 @@ trainer picks, and the loop's logic run whole with a stand-in rollout actor and 
 assertions can fail (an update that changes nothing, a release that frees nothing), a failed weight
 update stops the loop with its error, and the evidence has its shape."""
 
+import hashlib
 import inspect
 import itertools
 import json
@@ -36,6 +37,7 @@ class FakeActor:
         self.release_memory_occupation = _Remote(self._release)
         self.resume_memory_occupation = _Remote(self._resume)
         self.update_weights_from_tensor = _Remote(self._update)
+        self.weights_checksum = _Remote(lambda: hashlib.sha256(self.w.numpy().tobytes()).hexdigest())
 
     def _generate(self, input_ids, sampling_params):
         assert not self.released, "generate while released"
@@ -133,6 +135,22 @@ def test_an_update_that_changes_nothing_fails_parity_and_the_weights_check(no_ra
     assert not colocated.passed({"steps": 3, "tpo": out})
 
 
+def test_weights_changed_is_the_engines_checksum_not_the_probe(no_ray_get):
+    """A step too small to move the probe's log-probs still counts as a change when the engine's
+    weights changed; the probe's movement is recorded beside it."""
+    w = _w()
+
+    class TinySteps(FakeTrainer):
+        def step(self, loss):
+            with torch.no_grad():
+                self.w[-1] += 2.0 ** -20  # a logit no probe token reads, nudged in its last bits
+
+    out = _loop(FakeActor(w), TinySteps(w))
+    assert out["all_bitwise"] and out["all_weights_changed"]
+    assert [s["probe_changed"] for s in out["steps"]] == [False, False, False]
+    assert colocated.passed({"steps": 3, "tpo": out})
+
+
 def test_a_release_that_frees_nothing_is_reported(no_ray_get):
     w = _w()
     out = _loop(FakeActor(w, frees=False), FakeTrainer(w))
@@ -225,3 +243,31 @@ def test_the_actors_memory_methods_have_sglang_engines_signatures():
         for cls in (RolloutEngine, colocated.StockRolloutEngine):
             ours, theirs = inspect.signature(getattr(cls, name)), inspect.signature(getattr(Engine, name))
             assert [p.name for p in ours.parameters.values()] == [p.name for p in theirs.parameters.values()], name
+
+
+def test_weights_checksum_asks_sglangs_check_weights_and_refuses_a_failure():
+    import asyncio
+
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    from true_on_policy.rollout.actor import WeightSyncError, weights_checksum
+
+    class TM:
+        def __init__(self, answer):
+            self.answer, self.asked = answer, []
+
+        async def check_weights(self, obj, request):
+            self.asked.append(obj)
+            return self.answer
+
+    loop = asyncio.new_event_loop()
+    try:
+        ok = SimpleNamespace(loop=loop, tokenizer_manager=TM((True, "Success.", [{"per_gpu_checksum": "a"}], "d1")))
+        assert weights_checksum(ok) == "d1"
+        [asked] = ok.tokenizer_manager.asked
+        assert isinstance(asked, CheckWeightsReqInput) and asked.action == "checksum"
+        bad = SimpleNamespace(loop=loop, tokenizer_manager=TM((False, "rank 0: no model", None, None)))
+        with pytest.raises(WeightSyncError, match="rank 0: no model"):
+            weights_checksum(bad)
+    finally:
+        loop.close()

@@ -1,11 +1,13 @@
-"""Megatron trainer (true_on_policy.megatron, Triton provider) against the SGLang rollout. Written,
-not yet run (issue 17). Skipped without megatron-core (``pip install -e '.[megatron]'``) and, for
-the two-GPU test, with fewer than two GPUs.
+"""Megatron trainer (true_on_policy.megatron, Triton provider) against the SGLang rollout. Skipped
+without megatron-core (``pip install -e '.[megatron]'``) and, for the two-GPU test, with fewer than
+two GPUs.
 
-Chain: rollout (TP1) == Megatron TP1 bitwise, the handshake passes -> one optimizer step, the
-weights exported (``sglang_named_tensors``) and pushed with ``update_weights_from_tensor``, a new
-rollout == the stepped Megatron model bitwise -> Megatron TP2, TP2+SP, EP2, TP2+EP2+SP (two GPUs,
-NCCL; tests/gpu/megatron_dist.py) == rollouts at SGLang TP1 and TP2 (preview contract) bitwise.
+Chain, at the Qwen3-30B-A3B layer shape (6 layers), under the flat default and under v1 (the
+contract a Megatron trainer at TP or expert-TP > 1 needs): rollout (TP1) == Megatron TP1 bitwise,
+the handshake passes -> one optimizer step, the weights exported (``sglang_named_tensors``) and
+pushed with ``update_weights_from_tensor``, a new rollout == the stepped Megatron model bitwise ->
+Megatron TP2, TP2+SP, EP2, TP2+EP2+SP (two GPUs, NCCL; tests/gpu/megatron_dist.py) == rollouts at
+SGLang TP1 and TP2 (preview contract) bitwise.
 """
 
 import os
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from true_on_policy import DEFAULT_CONTRACT
+
 pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")
 
@@ -22,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 T = 0.7
 N_PROMPTS, NEW_TOKENS = 16, 32
 PREVIEW = "qwen3_moe_true_on_policy_tp_preview_v1"
+V1 = "qwen3_moe_true_on_policy_v1"
+GEOMETRY = "a3b6"  # the Qwen3-30B-A3B layer shape, 6 layers
 
 
 def _rollout(eng, seed=0):
@@ -77,7 +83,10 @@ def one_gpu_megatron():
     dist.destroy_process_group()
 
 
-def test_megatron_tp1_rollout_parity_step_and_weight_push(tiny_cache, one_gpu_megatron, gpu_evidence):
+@pytest.mark.parametrize("contract", [DEFAULT_CONTRACT, V1])
+def test_megatron_tp1_rollout_parity_step_and_weight_push(tiny_cache, one_gpu_megatron, gpu_evidence, contract):
+    import glob
+
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -86,11 +95,16 @@ def test_megatron_tp1_rollout_parity_step_and_weight_push(tiny_cache, one_gpu_me
     from true_on_policy import tiny_model
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
-    path = tiny_model.ensure("embedded")
+    path = tiny_model.ensure(GEOMETRY)
     model = tm.build_model(AutoConfig.from_pretrained(path)).cuda()
-    tm.load_hf(model, {k: v.cuda() for k, v in load_file(f"{path}/model.safetensors").items()})
-    assert tm.patch_megatron_model(model)["provider"] == "triton"
-    with TrueOnPolicyEngine(model_path=path, mem_fraction_static=0.3) as eng:
+    state = {}
+    for f in sorted(glob.glob(f"{path}/*.safetensors")):
+        state.update({k: v.cuda() for k, v in load_file(f).items()})
+    tm.load_hf(model, state)
+    del state
+    record = tm.patch_megatron_model(model, contract)
+    assert record["provider"] == "triton" and record["contract"] == contract, record
+    with TrueOnPolicyEngine(model_path=path, contract=contract, mem_fraction_static=0.3) as eng:
         tm.check_rollout(eng, model)
         before = _parity(model, _batch(*_rollout(eng)))
         ref = _batch(*_rollout(eng, seed=100))
@@ -104,7 +118,10 @@ def test_megatron_tp1_rollout_parity_step_and_weight_push(tiny_cache, one_gpu_me
         ok = eng.engine.update_weights_from_tensor(named_tensors=named)
         assert not isinstance(ok, tuple) or ok[0], ok
         after = _parity(model, _batch(*_rollout(eng, seed=200)))
-    gpu_evidence.append({"test": "megatron_tp1_rollout", "before_step": before, "after_step": after})
+    del model, opt, named
+    torch.cuda.empty_cache()
+    gpu_evidence.append({"test": "megatron_tp1_rollout", "contract": contract, "geometry": GEOMETRY,
+                         "before_step": before, "after_step": after})
     for r in (before, after):
         assert r["max_abs_diff"] == 0.0 and r["differing"] == 0, r
 

@@ -1,5 +1,5 @@
 """GPU tier: the Ray rollout actor (``true_on_policy.rollout.ray.RolloutEngine``), one actor on one GPU,
-against the patched trainer in this process. NOT YET RUN on a GPU (written on a CPU machine).
+against the patched trainer in this process.
 
 Chain: the actor starts under the contract (every scheduler manifest, ``check_rollout`` passes)
 -> its samples == the patched trainer's recompute, bitwise -> after ``update_weights_from_disk``
@@ -37,7 +37,7 @@ def actor(cluster):
     from true_on_policy.rollout.ray import RolloutEngine
 
     Actor = RolloutEngine.remote_class(num_gpus=1, runtime_env_base={"env_vars": cluster})
-    eng = Actor.remote(model_path=tiny_model.ensure(), mem_fraction_static=0.3, cuda_graph_max_bs=16)
+    eng = Actor.remote(model_path=tiny_model.ensure(), mem_fraction_static=0.3, cuda_graph_max_bs_decode=16)
     ray.get(eng.fingerprint.remote(), timeout=600)  # started (or its error raised here)
     yield eng
     ray.get(eng.shutdown.remote(), timeout=300)

@@ -19,8 +19,11 @@ rollout process's manifest. Step s:
 6. a probe: one fixed prompt with a fixed seed, sampled and recomputed by the trainer.
 
 Asserted every step: the rollout's log-probs == the trainer's recompute (``torch.equal``); the
-release freed at least the weights' bytes; the probe's log-probs differ from the previous step's
-(the engine's weights changed) and equal the trainer's (they are the trainer's). A weight update
+release freed at least the weights' bytes; the engine's weights changed (SGLang's checksum of
+every weight it holds, read after the update, differs from the previous step's); the probe's
+log-probs equal the trainer's (the engine serves the trainer's weights). Whether the probe's
+log-probs moved is recorded, not asserted: a step of lr 1e-4 on bf16 weights can leave a few
+sampled tokens' fp32 log-probs unchanged. A weight update
 the rollout reports as failed stops the loop with its error (no step runs on other weights).
 ``--stock`` runs the same loop after, for ``--stock-steps``, with stock SGLang and stock
 transformers (no assertion on bits): the evidence gives the per-step cost against it (median step
@@ -60,6 +63,9 @@ class Rollout:
     def resume(self):
         return self._get(self.actor.resume_memory_occupation.remote())
 
+    def checksum(self) -> str:
+        return self._get(self.actor.weights_checksum.remote())
+
     def update(self, named) -> None:
         from true_on_policy.rollout.actor import checked, ipc_named_tensors
 
@@ -95,6 +101,11 @@ class StockRolloutEngine:
     def update_weights_from_tensor(self, named_tensors):
         return self.engine.update_weights_from_tensor(named_tensors)
 
+    def weights_checksum(self) -> str:
+        from true_on_policy.rollout.actor import weights_checksum
+
+        return weights_checksum(self.engine)
+
     def gpu_ids(self) -> list:
         import ray
 
@@ -129,6 +140,7 @@ def run_loop(rollout, trainer, inputs, a, mem_free, clock=time.perf_counter, lab
     probe_params = step_params(0, 1, 4)
     probe_params[0]["sampling_seed"] = PROBE_SEED
     prev = rollout.generate(probe_in, probe_params)[0][1]
+    prev_sum = rollout.checksum()
     steps, stopped = [], None
     for s in range(a.steps):
         t = {"start": clock()}
@@ -152,14 +164,15 @@ def run_loop(rollout, trainer, inputs, a, mem_free, clock=time.perf_counter, lab
             print(f"[{label}] step {s}: weight update failed, loop stopped: {e}", flush=True)
             break
         t["update"] = clock()
+        checksum = rollout.checksum()
         probe = rollout.generate(probe_in, probe_params)
         _, probe_record = compare(probe_in, probe, trainer.logprobs(probe_in, probe, grad=False))
         t["probe"] = clock()
         steps.append({"step": s, **record, "loss": float(loss.detach()), "freed_bytes": int(freed),
                       "reclaimed_bytes": int(reclaimed), "memory_freed": freed >= trainer.weight_bytes,
-                      "weights_changed": probe[0][1] != prev, "probe_bitwise": probe_record["bitwise"],
-                      "times_s": _phases(t)})
-        prev = probe[0][1]
+                      "weights_changed": checksum != prev_sum, "probe_changed": probe[0][1] != prev,
+                      "probe_bitwise": probe_record["bitwise"], "times_s": _phases(t)})
+        prev, prev_sum = probe[0][1], checksum
         x = steps[-1]
         print(f"[{label}] step {s}: bitwise={x['bitwise']} max|d|={x['max_abs_diff']:.3g} freed={freed / 2**30:.2f} GiB "
               f"changed={x['weights_changed']} probe={x['probe_bitwise']} {x['times_s']['total']:.2f} s", flush=True)

@@ -145,6 +145,20 @@ def checked(result, what: str):
     return result
 
 
+def weights_checksum(engine) -> str:
+    """SGLang's checksum of every weight a running ``sglang.Engine`` holds (its ``check_weights``
+    request, action ``checksum``: a GPU hash of each parameter and persistent buffer on every rank,
+    combined in rank order). Two calls give the same string iff no bit of a weight changed between
+    them (up to hash collisions). Raises ``WeightSyncError`` when a rank could not compute it."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    ok, message, _, digest = engine.loop.run_until_complete(
+        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
+    if not ok or digest is None:
+        raise WeightSyncError(f"check_weights (checksum) failed: {message}")
+    return digest
+
+
 def ipc_named_tensors(named_tensors, tp_size: int = 1) -> list:
     """Trainer side of ``update_weights_from_tensor`` over CUDA IPC (same host): each CUDA tensor
     becomes SGLang's ``LocalSerializedTensor`` (a handle per TP rank, no copy), small enough to pass

@@ -37,6 +37,7 @@ from true_on_policy.rollout.actor import (
     ipc_named_tensors,
     runtime_env,
     samples,
+    weights_checksum,
 )
 
 _EXTRA = "pip install ray==2.60.0"  # the version of the package's `ray` extra; works outside a checkout too
@@ -156,6 +157,11 @@ class RolloutEngine:
 
     def resume_memory_occupation(self, tags: list[str] | None = None):
         return self.engine.engine.resume_memory_occupation(tags)
+
+    def weights_checksum(self) -> str:
+        """A checksum of every weight the engine holds (``true_on_policy.rollout.actor.weights_checksum``):
+        it changes iff an update changed a bit of a weight."""
+        return weights_checksum(self.engine.engine)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         return self.engine.engine.get_weights_by_name(name, truncate_size)
