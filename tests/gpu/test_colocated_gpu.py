@@ -1,12 +1,11 @@
 """GPU tier: colocated GRPO on one GPU (``python -m true_on_policy.harness.colocated``), a few steps.
-NOT YET RUN on a GPU (written on a CPU machine).
 
 The rollout actor (SGLang's memory saver on) and the trainer in this process share the GPU and take
 turns; every step: rollout == trainer recompute, bitwise -> release_memory_occupation frees at least
 the weights' bytes (free memory read here) -> forward, backward, AdamW -> resume -> update over CUDA
-IPC -> the probe changed and == trainer, bitwise. A release / resume that lost a tensor the engine
-reads (weights, the RoPE table, a graph's memory) shows as a step that is not bitwise. The stock loop
-runs after the HF one for its step time (no assertion on its bits).
+IPC -> the engine's weight checksum changed, the probe == trainer, bitwise. A release / resume that
+lost a tensor the engine reads (weights, the RoPE table, a graph's memory) shows as a step that is
+not bitwise. The stock loop runs after the HF one for its step time (no assertion on its bits).
 """
 
 import json
