@@ -14,8 +14,18 @@ with log-probs on, one seed per request; ``qwen`` adds top_k 20 / top_p 0.95), t
 The prefill is one request of ``--prefill`` tokens, profiled after a warm-up prefill.
 
 The evidence (``--out``, with the tables rendered next to it as ``.md``) is rewritten after each
-variant; ``--resume`` keeps the variants an incomplete ``--out`` from the same source, versions
-and arguments holds.
+variant, each variant with the ``provenance`` of the run that measured it (the file's own is the
+last run's). ``--resume`` reads the file at ``--out`` and runs only the variants it lacks, when the
+file is incomplete and holds the same arguments, package versions and GPU model; its variants may
+come from another commit (their own provenance says which; ``sources`` counts them, and the
+table's "Runs" section lists them). A run starts from what its ``--out`` path holds when it starts: where every run gets
+a fresh, empty output folder, point ``--out`` into the checkout (``regenerate_evidence.sh``'s
+default ROOT: its ``evidence/``) and bring the partial file back into that path before the next
+run; an ``--out`` in an empty folder resumes nothing and measures stock again.
+
+    python benchmarks/op_profile.py --render evidence/profile-tail-a3b48.json
+
+prints the tables of a stored file with the current op rule (``step_ops.OPS``), writing nothing.
 """
 
 from __future__ import annotations
@@ -185,7 +195,13 @@ def phase(variant: str, model_path: str, a, workdir: str) -> dict:
 def table(results: list[dict], a) -> str:
     return step_ops.markdown({"geometry": a.geometry, "context": a.context, "batches": a.batches,
                               "workloads": a.workload, "variants": results,
-                              "flags": step_ops.flags(results, STOCK_EXTRA)})
+                              "flags": step_ops.flags(results, STOCK_EXTRA)}, STOCK_EXTRA)
+
+
+def render(path: str) -> str:
+    """The tables of a stored profile, its kernels grouped by the current ``step_ops.OPS``."""
+    with open(path) as f:
+        return step_ops.markdown(json.load(f), STOCK_EXTRA)
 
 
 def _record(a, model_path) -> dict:
@@ -195,20 +211,25 @@ def _record(a, model_path) -> dict:
             "variant_order": a.variants}
 
 
-def _kept(a, record) -> list[dict]:
-    """The variants an incomplete ``--out`` of this source, versions and arguments holds."""
-    from true_on_policy.harness import provenance
-
+def _kept(a, record, prov) -> list[dict]:
+    """The variants an incomplete ``--out`` of these arguments, package versions and GPU model
+    holds, each with the provenance of its own run (a variant without one takes the file's) and
+    its ops grouped by the current ``step_ops.OPS``."""
     if not (a.resume and a.out and os.path.exists(a.out)):
         return []
     with open(a.out) as f:
         prev = json.load(f)
     old = prev.get("provenance") or {}
-    same = (old.get("git"), old.get("versions")) == (provenance.git_state(), provenance.versions())
-    if prev.get("complete") or not same or any(prev.get(k) != v for k, v in record.items()):
-        print(f"not resuming {a.out}: complete, or another source, versions or arguments", flush=True)
+    alike = [(p.get("versions"), (p.get("gpu") or {}).get("name")) for p in (old, prov)]
+    if prev.get("complete") or alike[0] != alike[1] or any(prev.get(k) != v for k, v in record.items()):
+        print(f"not resuming {a.out}: complete, or other arguments, versions or GPU", flush=True)
         return []
-    return list(prev["variants"])
+    kept = [step_ops.reclassify_variant({**v, "provenance": v.get("provenance") or old}) for v in prev["variants"]]
+    for v in kept:
+        if step_ops.source_of(v["provenance"]) != step_ops.source_of(prov):
+            print(f"resuming {a.out}: {v['variant']} ran at source {step_ops.source_of(v['provenance'])}, this run "
+                  f"at {step_ops.source_of(prov)}", flush=True)
+    return kept
 
 
 def _run_phase(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -232,7 +253,11 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--render", metavar="FILE", help="print FILE's tables with the current op rule; run nothing")
     a = p.parse_args(argv)
+    if a.render:
+        print(render(a.render), end="")
+        return 0
     if a.variants[0] not in STOCK_EXTRA:
         p.error("the first variant is the reference: a stock one")
     if a.phase:
@@ -246,7 +271,7 @@ def main(argv=None) -> int:
     prov = provenance(None if argv is None else ["python", "benchmarks/op_profile.py", *argv])
     model_path = a.model_path or geometries.ensure(a.geometry, room=a.make_room)
     record = _record(a, model_path)
-    results = _kept(a, record)
+    results = _kept(a, record, prov)
     with tempfile.TemporaryDirectory(prefix="tpo-profile-") as work:
         for v in a.variants[len(results):]:  # the phase reads the same arguments (the last --model-path wins)
             cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv), "--phase", v,
@@ -256,11 +281,12 @@ def main(argv=None) -> int:
             if r.returncode or not line:
                 raise RuntimeError(f"variant {v} failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
             print("\n".join(x for x in r.stdout.splitlines() if not x.startswith("RESULT ")), flush=True)
-            results.append(json.loads(line[-1][len("RESULT "):]))
+            results.append(step_ops.reclassify_variant({**json.loads(line[-1][len("RESULT "):]), "provenance": prov}))
             text = table(results, a)
             if a.out:
                 write_evidence(a.out, {**record, "geometry_record": None if a.model_path else geometries.describe(
                     a.geometry), "complete": len(results) == len(a.variants), "variants": results,
+                    "sources": len({step_ops.source_of(v["provenance"]) for v in results}),
                     "flags": step_ops.flags(results, STOCK_EXTRA), "table": text}, prov)
                 with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
                     f.write(text)

@@ -1,7 +1,8 @@
 """What one profiled step holds, read from a torch-profiler chrome trace, and the op profile's tables.
 
 - GPU time per kernel (kernels, memory copies and sets; those launched from CUDA-graph replays
-  included), summed per name and divided by the steps, grouped into ops by ``OPS`` (first match);
+  included), summed per name and divided by the steps, grouped into ops by ``OPS`` (first match;
+  the tables group the stored kernels again, so an old file reads with the current rule);
 - ``WATCH``: the host-side events a step must not add to stock's -- sorts, allocations, host
   syncs, device-to-host copies, tensor allocations -- counted per step. Host events (CPU ops, CUDA
   runtime and driver calls) count only inside a step's ``STEP`` annotation, so the profiler's own
@@ -19,21 +20,36 @@ import re
 STEP = "tpo_profile_step"  # the record_function name around each profiled step
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver")
-# kernel-name pattern -> op (first match wins); unmatched names are "other"
+# What a kernel's GPU time counts as: the kind of work, named the same for stock and for the
+# contracts, whichever library launched it. First match wins (case-insensitive ``re.search`` on the
+# kernel's name, without the trace's grid); the order is part of the rule:
+# - norms before attention: flashinfer's norm kernels live in the flashinfer namespace;
+# - RoPE holds stock's fused_rope_store_kernel, which also writes K and V to the cache (the
+#   contracts' KV write is its own kernel): compare RoPE + KV write;
+# - MoE before dense GEMM and torch glue: SGLang's moe_sum_reduce and expert-sort kernels;
+#   Qwen3-MoE's every MLP is an MoE block, so the activation (act_and_mul) is MoE's;
+# - sampling before attention: flashinfer's sampling kernels, and a sampling top-k is not routing;
+# - the contracts' own Triton kernels are named exactly (``^name$``), each in its op's row.
+# ``_matmul_kernel`` runs the tree GEMMs (o_proj) and, where neither the TMA nor the segment form
+# fits, a grouped MoE GEMM: one kernel name for two kinds of work, so it keeps a row of its own.
+# "other" is what no rule names.
 OPS = [
-    (r"_matmul_tma_kernel|nvjet|gemm|cutlass|sm90_xmma|cublas", "dense GEMM"),
-    (r"^_matmul_kernel", "tree / grouped GEMM (o_proj, down, MoE w13)"),
-    (r"fused_moe|moe_align|moe_sum|topk|_route_kernel|_silu_mul|_combine_kernel|act_and_mul|"
-     r"silu_and_mul|count_and_sort|moe", "MoE"),
-    (r"_tree_kernel", "segment tree"),
-    (r"attn|attention|_fwd_|decode|extend|flash", "attention"),
-    (r"rmsnorm|rms_norm|layernorm|_norm", "RMSNorm"),
-    (r"rope|rotary", "RoPE"),
-    (r"softmax|logprob|_lse|_sample|gumbel|sampl|argmax|log_softmax", "sampling / log-probs"),
-    (r"store_kvcache|set_kv|kv_buffer|copy_kv", "KV write"),
-    (r"elementwise|vectorized|unrolled|index|scatter|gather|fill|copy|cat|sort|cumsum|reduce|where|arange|"
-     r"memcpy|memset|Memcpy|Memset", "torch glue (elementwise, index, sort, copy)"),
+    ("RMSNorm", r"rms_?norm|layer_?norm|qk_?norm|norm::"),
+    ("RoPE", r"(?<![a-z])rope|rotary"),
+    ("KV write", r"store_kvcache|set_kv|kv_buffer|copy_kv"),
+    ("MoE", r"moe|expert|router|topk_softmax|^(_route|_count|_align|_grouped_tma|_seg_tree|_silu_mul|_combine)_kernel$|"
+     r"act_and_mul|silu_and_mul"),
+    ("sampling / log-probs", r"sampl|softmax|logprob|gumbel|argmax|topk|top_k|top_p|"
+     r"^(_shard_stats|_finish|_truncate_select)_kernel$"),
+    ("attention", r"attn|attention|flashinfer|flash::|^_fwd_|decode|extend|kv_indices|kv_splits|^_merge_kernel$"),
+    ("dense GEMM", r"^_matmul_tma_kernel$|nvjet|gemm|cutlass|xmma|cublas"),
+    ("tree GEMM (o_proj; MoE where no other form fits)", r"^(_matmul|_tree)_kernel$"),
+    ("batch metadata (positions, req_to_token)", r"position|req_to_token"),
+    ("torch glue (elementwise, index, sort, copy)",
+     r"elementwise|vectorized|unrolled|index|scatter|gather|fill|copy|cat|sort|scan|cumsum|reduce|where|arange|"
+     r"multi_tensor_apply|_assert_async|^triton_(poi|per|red)_|memcpy|memset"),
 ]
+OTHER = "other"
 # (class, trace categories, event-name pattern)
 WATCH = [
     ("sort", ("cpu_op", "kernel"), r"sort"),
@@ -49,11 +65,35 @@ WATCH = [
 ]
 
 
+def kernel_name(key: str) -> str:
+    """A stored kernel row's name without the grid ``analyse`` appends."""
+    return re.sub(r" grid=.*$", "", key)
+
+
 def op_of(name: str) -> str:
-    for pat, op in OPS:
+    name = kernel_name(name)
+    for op, pat in OPS:
         if re.search(pat, name, re.IGNORECASE):
             return op
-    return "other"
+    return OTHER
+
+
+def ops_of(kernels: list[dict]) -> dict:
+    """GPU microseconds per step of each op, from kernel rows, by the current ``OPS`` (largest first)."""
+    ops = {}
+    for k in kernels:
+        op = op_of(k["kernel"])
+        ops[op] = ops.get(op, 0.0) + k["us_per_step"]
+    return dict(sorted(ops.items(), key=lambda x: -x[1]))
+
+
+def reclassify(row: dict) -> dict:
+    """``row`` with its kernels' ops and ``ops_us`` taken again by the current ``OPS`` (a row
+    without kernels keeps its ``ops_us``)."""
+    if not row.get("kernels"):
+        return row
+    kernels = [dict(k, op=op_of(k["kernel"])) for k in row["kernels"]]
+    return {**row, "kernels": kernels, "ops_us": ops_of(kernels)}
 
 
 def watched_class(cat: str, name: str) -> str | None:
@@ -85,11 +125,7 @@ def analyse(events: list[dict], steps: int) -> dict:
             counts[name[:120]] = counts.get(name[:120], 0) + 1
     rows = sorted(({"kernel": k[:160], "op": op_of(k), "us_per_step": t / steps, "launches_per_step": n / steps}
                    for k, (t, n) in per.items()), key=lambda r: -r["us_per_step"])
-    ops = {}
-    for r in rows:
-        ops[r["op"]] = ops.get(r["op"], 0.0) + r["us_per_step"]
-    return {"gpu_us_per_step": sum(r["us_per_step"] for r in rows),
-            "ops_us": dict(sorted(ops.items(), key=lambda x: -x[1])), "kernels": rows,
+    return {"gpu_us_per_step": sum(r["us_per_step"] for r in rows), "ops_us": ops_of(rows), "kernels": rows,
             "watched_per_step": {c: {k: n / steps for k, n in sorted(v.items())} for c, v in sorted(watched.items())},
             "step_windows": len(windows)}
 
@@ -124,40 +160,84 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
 
-def markdown(doc: dict) -> str:
+def _cells(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def decode_rows(variant: dict) -> dict:
+    """workload -> batch -> row of a variant (a file without workloads holds one, plain, as ``decode``)."""
+    return variant.get("decode_workloads") or {"plain": variant["decode"]}
+
+
+def reclassify_variant(variant: dict) -> dict:
+    """``variant`` with every row's ops taken again by the current ``OPS``."""
+    dw = {w: {b: reclassify(r) for b, r in rows.items()} for w, rows in decode_rows(variant).items()}
+    out = {**variant, "decode_workloads": dw, "decode": next(iter(dw.values()))}
+    if variant.get("prefill"):
+        out["prefill"] = reclassify(variant["prefill"])
+    return out
+
+
+def source_of(prov: dict) -> tuple:
+    """The source a run measured: commit (or the one claimed), dirty, hash of the source files."""
+    g = prov.get("git") or {}
+    return g.get("commit") or g.get("claimed_commit"), g.get("dirty"), g.get("source_sha256")
+
+
+def markdown(doc: dict, stock_names) -> str:
     """The op profile's tables: per workload and decode batch, each op's GPU microseconds per step
-    for every variant and each variant's ratio to the first; the prefill; then the flags."""
+    (the stored kernels grouped by the current ``OPS``) for every variant that has the row, and each
+    contract variant's ratio to the reference (the file's first stock variant) where both have it;
+    the prefill; the run each variant came from, where recorded; then the flags."""
     vs = doc["variants"]
-    names, ref = [v["variant"] for v in vs], vs[0]["variant"]
-    others = names[1:]
-    head = ("| op | " + " | ".join(f"{n} µs" for n in names) + " | " + " | ".join(f"{n}/{ref}" for n in others)
-            + " |\n|---|" + "---:|" * (len(names) + len(others)))
+    ref = next((v["variant"] for v in vs if v["variant"] in stock_names), None)
     lines = [f"# Op profile: {doc['geometry']}, decode steps at {doc['context']} tokens of context", ""]
 
-    def block(title, rows):
-        lines.extend([f"## {title}", "", head])
-        ops = list(dict.fromkeys(op for r in rows for op in r["ops_us"]))
-        for op in [*ops, "total (GPU)"]:
-            vals = [r["gpu_us_per_step"] if op == "total (GPU)" else r["ops_us"].get(op, 0.0) for r in rows]
-            lines.append(f"| {op} | " + " | ".join(f"{v:.0f}" for v in vals) + " | "
-                         + " | ".join(_ratio(v, vals[0]) for v in vals[1:]) + " |")
-        if "step_ms" in rows[0]:
-            vals = [r["step_ms"] for r in rows]
-            lines.append("| step ms (CUDA events) | " + " | ".join(f"{v:.3f}" for v in vals) + " | "
-                         + " | ".join(_ratio(v, vals[0]) for v in vals[1:]) + " |")
+    def block(title, named):
+        if not named:
+            return
+        names, rows = [n for n, _ in named], [reclassify(r) for _, r in named]
+        at = names.index(ref) if ref in names else None
+        ratios = [] if at is None else [i for i, n in enumerate(names) if n not in stock_names]
+        head = ["op", *(f"{n} µs" for n in names), *(f"{names[i]}/{ref}" for i in ratios)]
+        lines.extend([f"## {title}", "", _cells(head), "|---|" + "---:|" * (len(head) - 1)])
+
+        def line(label, vals, fmt):
+            lines.append(_cells([label, *(fmt.format(v) for v in vals), *(_ratio(vals[i], vals[at]) for i in ratios)]))
+
+        for op in dict.fromkeys(op for r in rows for op in r["ops_us"]):
+            line(op, [r["ops_us"].get(op, 0.0) for r in rows], "{:.0f}")
+        line("total (GPU)", [r["gpu_us_per_step"] for r in rows], "{:.0f}")
+        if all("step_ms" in r for r in rows):
+            line("step ms (CUDA events)", [r["step_ms"] for r in rows], "{:.3f}")
             for part in ("prepare", "forward", "sample"):
-                vals = [r.get("host_ms", {}).get(part, 0.0) for r in rows]
-                lines.append(f"| host {part} ms (synchronized) | " + " | ".join(f"{v:.3f}" for v in vals) + " | "
-                             + " | ".join(_ratio(v, vals[0]) for v in vals[1:]) + " |")
+                line(f"host {part} ms (synchronized)", [r.get("host_ms", {}).get(part, 0.0) for r in rows], "{:.3f}")
         lines.append("")
 
-    for w in doc["workloads"]:
+    for w in doc.get("workloads") or ["plain"]:
         for b in doc["batches"]:
-            block(f"decode step, batch {b}, {w}", [v["decode_workloads"][w][str(b)] for v in vs])
-    if all(v.get("prefill") for v in vs):
-        block(f"prefill, {vs[0]['prefill']['tokens']} tokens", [v["prefill"] for v in vs])
+            block(f"decode step, batch {b}, {w}",
+                  [(v["variant"], decode_rows(v)[w][str(b)]) for v in vs if str(b) in decode_rows(v).get(w, {})])
+    pre = [(v["variant"], v["prefill"]) for v in vs if v.get("prefill")]
+    if pre:
+        block(f"prefill, {pre[0][1]['tokens']} tokens", pre)
+    runs = [(v["variant"], v["provenance"]) for v in vs if v.get("provenance")]
+    if runs:
+        n = len({source_of(p) for _, p in runs})
+        title = "one source" if n == 1 else f"{n} sources: each variant's numbers are its own source's"
+        lines += [f"## Runs ({title})", "",
+                  "| variant | commit | dirty | source sha256 | started | GPU |", "|---|---|---|---|---|---|"]
+        for name, p in runs:
+            commit, dirty, source = source_of(p)
+            lines.append(_cells([name, (commit or "-")[:12], str(dirty), (source or "-")[:12], str(p.get("started_at")),
+                                 str((p.get("gpu") or {}).get("name"))]))
+        lines.append("")
     lines += ["## Events in a contract's decode step beyond stock's", ""]
-    if not doc["flags"]:
+    if all(v["variant"] in stock_names for v in vs):
+        lines.append("no contract variant in this file")
+    elif doc.get("flags") is None:
+        lines.append("not recorded in this file")
+    elif not doc["flags"]:
         lines.append("none (sorts, allocations, host syncs, device-to-host copies, tensor allocations)")
     else:
         lines += ["| workload | batch | variant | vs | class | event | per step | stock per step |",

@@ -149,7 +149,10 @@ case $GROUP in
     # budget (TIME_BUDGET s, default 540) with exit 3 and "INCOMPLETE": run it again until the file is complete.
     # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
     # allocation or host sync a contract's step adds to stock's (JSON + .md; PROFILE_TAG=before|after names the files;
-    # each variant is kept once done: run it again after a time limit)
+    # each variant is kept once done, with the provenance of its own run: run it again after a time limit). --resume
+    # reads the file at its --out, so the rerun must find the partial file there: keep ROOT at its default (the
+    # checkout's evidence/) and, where each run starts from a fresh copy of the checkout, put the partial file back into
+    # its evidence/ first; a ROOT that starts empty resumes nothing and measures stock again.
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     B="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks"
     for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
