@@ -9,13 +9,15 @@ the pairwise tree ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))`` (``tree_sum``).
 Invariance: row i depends only on row i of x and on W (never on the number of rows, their
 order or the tile they share); column j depends only on row j of W, so splitting W's rows over
 ranks (column parallel) changes no output element. Tile sizes are constants (below), the same
-for every token count, except the tile tables of the tree-width-1 GEMMs (``ROW_TMA``, ``DOWN_TMA``),
-whose tiles all compute the same bits (checked on the GPU); ``M`` is not specialised by Triton
-(``do_not_specialize``).
+for every token count, except the TMA tiles at decode row counts (``decode_tile``: chosen from
+the GEMM's shape and the device's SM count) and the tile tables of the tree-width-1 GEMMs
+(``ROW_TMA``, ``DOWN_TMA``), whose tiles all compute the same bits (checked on the GPU); ``M`` is
+not specialised by Triton (``do_not_specialize``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -233,6 +235,8 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # Tiles per role, chosen by the caller (by the token count only for "row", a table): the plain GEMMs, and lm_head
 # (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
 # router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep).
+# Up to DECODE_ROWS rows the launchers take ``decode_tile``'s tile instead (below; DECODE_TILES), but
+# for lm_head; these fixed tiles and tables stay the tiles above that bound.
 #
 # Tile tables (tree width 1, the flat contract's o_proj and MoE down projection): the tile
 # depends on the row count, from a table of tiles that all compute the same bits: each runs the
@@ -273,10 +277,114 @@ TMA = {"plain": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stag
        "router": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
 GROUP_M = 8
 
+# Decode tiles, from the geometry. At few rows a GEMM reads each weight once from HBM and is bound
+# by its bandwidth, which takes enough programs in flight: PROGRAMS_PER_SM per SM doing real work.
+# K is never split (that would change the bits), so the programs come from narrower tiles, picked
+# by ``decode_tile`` from DECODE_GRID. Every tile of the grid runs the same 16-wide MMA steps over K
+# from k = 0 upward into one fp32 accumulator (BLOCK_K 64 or 128 only groups those steps, as in
+# ROW_TMA; num_stages only sets how far ahead operands are fetched), so all compute the same bits
+# (GPU tier: test_decode_tiles_equal_pointer, every tile at 1 to 4096 rows and the Qwen3-MoE
+# shapes; CPU tier: tests/cpu/test_decode_tiles.py under the interpreter's 16-wide stand-in).
+DECODE_BM = (16, 32, 64)  # rows per tile: the smallest that holds the rows (an expert's, when grouped)
+DECODE_BN = (128, 64, 32, 16)  # columns per tile, widest first (tl.dot needs >= 16)
+PROGRAMS_PER_SM = 2
+MIN_PROGRAM_BYTES = 32 * 1024  # weight bytes a program streams at least (below: mostly prologue and epilogue)
+LONG_K = 1024  # from this K the loop takes 128-wide chunks (>= 8 of them keep a 4-stage pipeline full)
+
+
+def _decode_cfg(bm: int, bn: int, bk: int) -> dict:
+    stage = (bm + bn) * bk * 2  # bf16 operand bytes per pipeline stage: 3 stages above 32 KiB (shared memory)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4 if stage <= 32 * 1024 else 3)
+
+
+DECODE_GRID = {(bm, bn, bk): _decode_cfg(bm, bn, bk) for bm in DECODE_BM for bn in DECODE_BN for bk in (64, 128)}
+DECODE_ROLES = ("plain", "row", "router")  # lm_head: its vocabulary-wide N fills the GPU with its own tile
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_tile(rows: int, n: int, k: int, sms: int, groups: int = 1, looped: bool = False) -> dict:
+    """The tile of a bandwidth-bound GEMM: ``groups`` row sets (1, or the experts a grouped GEMM's
+    table fills) of ``rows`` rows each, N columns, reduction length K, on ``sms`` SMs; ``looped``:
+    one program runs all row tiles of a set in turn (``grouped_tma``'s block loop).
+    BLOCK_M: the smallest of DECODE_BM that holds ``rows`` (64 above); BLOCK_K: 128 from LONG_K,
+    else 64; BLOCK_N: the widest of DECODE_BN that streams at least MIN_PROGRAM_BYTES of weights per
+    program and gives groups x row programs x column tiles >= PROGRAMS_PER_SM x sms programs, else the
+    narrowest of those. A pure function of its arguments (cached); every result is in DECODE_GRID."""
+    bm = next((b for b in DECODE_BM if b >= rows), DECODE_BM[-1])
+    bk = 128 if k >= LONG_K else 64
+    widths = [bn for bn in DECODE_BN if 2 * bn * k >= MIN_PROGRAM_BYTES] or [DECODE_BN[0]]
+    busy = groups * (1 if looped else triton.cdiv(rows, bm))
+    bn = next((b for b in widths if busy * triton.cdiv(n, b) >= PROGRAMS_PER_SM * sms), widths[-1])
+    return DECODE_GRID[bm, bn, bk]
+
+
+def expert_groups(slots: int, experts: int) -> tuple[int, int]:
+    """(experts in use, rows per expert) when ``slots`` routed (token, expert) pairs fall uniformly
+    on ``experts`` experts: the expected count of distinct experts, rounded; a speed estimate only
+    (the host never reads the routing)."""
+    used = max(1, min(experts, slots, round(experts * (1 - (1 - 1 / experts) ** slots))))
+    return used, triton.cdiv(slots, used)
+
+
+DECODE_TILES = True  # decode row counts take decode_tile's tiles; False: the fixed tiles and tables above
+# (benchmarks/decode_tiles.py and the GPU tier compare both)
+
+
+def tma_tiles(role: str, rows: int, n: int, k: int, sms: int) -> dict:
+    """The TMA tile of a plain GEMM of ``role`` at ``rows`` rows of [rows, K] @ [N, K]^T: ``decode_tile``
+    up to DECODE_ROWS rows (roles DECODE_ROLES), else the role's tile or table in TMA."""
+    if DECODE_TILES and role in DECODE_ROLES and rows <= DECODE_ROWS:
+        return decode_tile(rows, n, k, sms)
+    return by_rows(TMA[role], rows)
+
+
+def grouped_tiles(role: str, tokens: int, slots: int, experts: int, n: int, k: int, sms: int) -> dict:
+    """The TMA tile of a grouped GEMM (gate/up: ``role="plain"``; the flat down projection: "down") of
+    ``tokens`` tokens routed to ``slots`` (token, expert) pairs over ``experts`` local experts:
+    ``decode_tile`` over the experts in use (one program per expert block and column tile, looping
+    over the block's row tiles) up to DECODE_ROWS tokens, else GROUPED_UP_TMA or DOWN_TMA."""
+    if DECODE_TILES and tokens <= DECODE_ROWS:
+        used, per = expert_groups(slots, experts)
+        return decode_tile(per, n, k, sms, used, looped=True)
+    return by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
+
+
+def used_blocks(slots: int, experts: int) -> int:
+    """An upper bound on the ALIGN-row blocks ``moe.align`` fills for ``slots`` pairs over ``experts``
+    experts: each expert in use pads its rows once, sum of ceil(c_e / ALIGN) < slots / ALIGN + experts
+    in use. The table's later blocks are marked unused: no program need be launched for them."""
+    return min(experts, slots) + triton.cdiv(slots, ALIGN)
+
+
+def candidate_tiles(role: str) -> list[dict]:
+    """Every TMA tile the launchers can give a GEMM of ``role`` (a role of TMA, "gate_up" or "down"),
+    for any geometry, row count and DECODE_TILES: what the GPU tier checks bit for bit."""
+    fixed = {"gate_up": [GROUPED_UP_TMA], "down": table_tiles(DOWN_TMA)}.get(role) or table_tiles(TMA[role])
+    grid = list(DECODE_GRID.values()) if role in DECODE_ROLES + ("gate_up", "down") else []
+    return grid + [c for c in fixed if c not in grid]
+
+
+@triton.jit
+def interpreted_dot(a, b, acc, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
+    """The CPU interpreter's stand-in for ``tl.dot(a, b, acc)`` (a [BM, BLOCK_K], b [BLOCK_K, BN]):
+    the products of each STEP-wide slice of K summed exactly (fp64), rounded to fp32 and added to
+    ``acc`` in k order. STEP = BLOCK_K rounds once per chunk (the pointer kernel's stand-in); STEP = 16
+    rounds once per MMA step, the same for every BLOCK_K (what makes tiles comparable bitwise)."""
+    a64 = a.to(tl.float64)
+    b64 = b.to(tl.float64)
+    if STEP >= BLOCK_K:
+        acc += tl.dot(a64, b64).to(tl.float32)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        for s in tl.static_range(BLOCK_K // STEP):
+            acc += tl.dot(tl.where((ks // STEP == s)[None, :], a64, 0.0), b64).to(tl.float32)
+    return acc
+
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr = False,
+                       STEP: tl.constexpr = 16):
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -289,7 +397,10 @@ def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.conste
     for k in range(0, K, BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k])
         b = b_desc.load([pid_n * BLOCK_N, k])
-        acc = tl.dot(a, b.T, acc)
+        if DOT_F32:  # Triton's CPU interpreter (CPU tier only)
+            acc = interpreted_dot(a, b.T, acc, BLOCK_K, STEP)
+        else:
+            acc = tl.dot(a, b.T, acc)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
@@ -297,6 +408,11 @@ def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.conste
 
 
 _HOPPER: dict = {}
+_SMS: dict = {}
+
+
+def _device(x) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 def hopper(x) -> bool:
@@ -304,10 +420,18 @@ def hopper(x) -> bool:
     capability is read once per device."""
     if INTERPRETED or not x.is_cuda:
         return False
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = _device(x)
     if dev not in _HOPPER:
         _HOPPER[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
     return _HOPPER[dev]
+
+
+def sm_count(x) -> int:
+    """The SM count of the GPU ``x`` lives on, read once per device (host only, no sync)."""
+    dev = _device(x)
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
 
 
 def _tma_ok(x, w, out) -> bool:
@@ -318,7 +442,9 @@ def _tma_ok(x, w, out) -> bool:
                                        and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
 
 
-def _launch_tma(x, w, out, cfg=None):
+def _launch_tma(x, w, out, cfg=None, dot_step: int | None = None):
+    """``dot_step``: under the interpreter, the K width of one rounding of ``interpreted_dot``
+    (default BLOCK_K)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cfg = dict(cfg or TMA["plain"])
@@ -329,7 +455,7 @@ def _launch_tma(x, w, out, cfg=None):
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
         _matmul_tma_kernel[grid](TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
                                  out, m, n, k, out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                 BLOCK_K=bk, GROUP=GROUP_M, **cfg)
+                                 BLOCK_K=bk, GROUP=GROUP_M, DOT_F32=INTERPRETED, STEP=dot_step or bk, **cfg)
     return out
 
 
@@ -410,8 +536,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     unrounded accumulator). Tree GEMMs (``tree=True``, default when ``segments > 1``) use the
     ROW tiles whatever their local segment count, so a TP=8 rank's single segment is computed
     exactly like one of TP=1's eight. ``role`` ("plain", "lm_head", "router" or "row": o_proj at tree
-    width 1, whose tiles follow the row count, ``ROW_TMA``) picks the TMA tiles of a plain GEMM;
-    every tile computes the same bits (GPU tier), the role only sets the speed."""
+    width 1) picks the TMA tiles of a plain GEMM (``tma_tiles``: at decode row counts from the
+    shape); every tile computes the same bits (GPU tier), the role only sets the speed."""
     _check(x, w, "matmul")
     if w.dim() != 2:
         raise KernelLimitError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
@@ -420,7 +546,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
-        return _launch_tma(x, w, out, by_rows(TMA[role], x.shape[0]))
+        return _launch_tma(x, w, out, tma_tiles(role, x.shape[0], w.shape[0], x.shape[1], sm_count(x)))
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
 
 
@@ -428,7 +554,7 @@ ALIGN = 128  # expert groups are padded to this many rows (a multiple of both ti
 
 
 def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, tree: bool | None = None,
-                   role: str = "plain", tokens: int | None = None):
+                   role: str = "plain", tokens: int | None = None, slots: int | None = None):
     """Per-expert GEMM over an expert-sorted row table (see ``moe.align``).
 
     x [T, K]; w [E, N, K]; rows [P] (int, index into x or -1 for padding; P a multiple of
@@ -437,31 +563,41 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     and w[expert]: never on how many rows its expert (or any other) received.
     ``role="down"`` with ``tokens`` (the MoE call's token count): a plain (tree-width-1) down
     projection takes ``DOWN_TMA``'s tiles for that count (the same bits as every other tile).
+    ``tokens`` and ``slots`` (the (token, expert) pairs the table was built from, ``align``'s T x k):
+    up to DECODE_ROWS tokens the TMA tiles follow ``grouped_tiles``, programs are launched only for
+    the blocks the table can fill (``used_blocks``), one per block and column tile (its row tiles in
+    turn); no bit changes.
     """
     _check(x, w, "grouped_matmul")
     from true_on_policy.kernels import grouped_tma, seg_tree
 
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
         raise KernelLimitError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
+    if role not in ("plain", "down") or (role == "down" and tokens is None):
+        raise KernelLimitError(f"grouped_matmul: role must be 'plain' or 'down' (with tokens), got {role!r}, {tokens!r}")
+    if slots is not None and (tokens is None or triton.cdiv(slots, ALIGN) + w.shape[0] != rows.shape[0] // ALIGN):
+        raise KernelLimitError(f"grouped_matmul: slots={slots} (tokens={tokens}) did not build a table of "
+                               f"{rows.shape[0] // ALIGN} blocks over {w.shape[0]} experts")
     out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
     k = x.shape[1]
     cfg = _tiles(segments, tree, k)
-    if role not in ("plain", "down") or (role == "down" and tokens is None):
-        raise KernelLimitError(f"grouped_matmul: role must be 'plain' or 'down' (with tokens), got {role!r}, {tokens!r}")
-    tma_cfg = by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
-    if cfg is COLUMN and grouped_tma.usable(x, w):
-        cfg = tma_cfg
+    count, subtiles = rows.shape[0], 1
+    tma = cfg is COLUMN and grouped_tma.usable(x, w)
+    if tma and DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
+        cfg = grouped_tiles(role, tokens, slots, w.shape[0], w.shape[1], k, sm_count(x))
+        count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
+    elif tma:
+        cfg = by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
           and seg_tree.smem_ok(k // segments, ROW_SEG)):
         cfg = ROW_SEG  # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
-    per = ALIGN // cfg["BLOCK_M"]
+    per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
-    if cfg is tma_cfg:
-        return grouped_tma.launch(x, w, out, rows, block_expert, rows.shape[0], cfg)
+    if tma:
+        return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles)
     if cfg is ROW_SEG:
         return seg_tree.launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
-

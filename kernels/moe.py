@@ -305,12 +305,14 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int, width: int
 
 
 def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
-    h = silu_mul(grouped_matmul(x, w13, rows, block_expert), pos)
+    # tokens and slots (T x k, the pairs ``align`` placed) choose the grouped GEMMs' tiles (matmul.grouped_tiles)
+    t, slots = x.shape[0], pos.shape[0]
+    h = silu_mul(grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots), pos)
     # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop; at tree
-    # width 1 (the flat contract) with the tiles of matmul.DOWN_TMA for this token count
+    # width 1 (the flat contract) as the down projection's role (its tiles above the decode bound: matmul.DOWN_TMA)
     flat = resolve_width(width) == 1
     return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1,
-                          role="down" if flat else "plain", tokens=x.shape[0] if flat else None)
+                          role="down" if flat else "plain", tokens=t, slots=slots)
 
 
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None, width: int | None = None):

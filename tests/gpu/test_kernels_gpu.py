@@ -517,3 +517,76 @@ print("width1-ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "width1-ok" in r.stdout, r.stderr[-3000:]
     gpu_evidence.append({"test": "tree_width_1_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})
+
+
+# Qwen3-MoE layer geometries (hidden, query heads, KV heads, head_dim, experts, top-k, moe_intermediate): 30B-A3B,
+# 235B-A22B and an odd one; the row counts cross the decode tiles' BLOCK_M steps and DECODE_ROWS
+DECODE_GEOMETRIES = {"30b_a3b": (2048, 32, 4, 128, 128, 8, 768), "235b_a22b": (4096, 64, 4, 128, 128, 8, 1536),
+                     "h1536e256k6": (1536, 24, 6, 128, 256, 6, 512)}
+DECODE_COUNTS = [1, 2, 3, 7, 8, 16, 64, 255, 256, 257, 4096]
+
+
+@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+def test_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
+    """Every tile the plain TMA GEMMs can take (``matmul.candidate_tiles``: ``decode_tile``'s grid and
+    the fixed tiles) computes the pointer kernel's bits for qkv, o_proj (tree width 1) and the
+    router of the geometry, at every row count (not only those it is chosen for); ``matmul`` with
+    and without DECODE_TILES too, and the tile it picks is a candidate."""
+    import true_on_policy.kernels.matmul as mm
+
+    h, hq, hkv, d, e, _, _ = DECODE_GEOMETRIES[geometry]
+    g = _gen(h + e)
+    for role, n_out, k in (("plain", (hq + 2 * hkv) * d, h), ("row", h, hq * d), ("router", e, h)):
+        x, w = _randn(g, max(DECODE_COUNTS), k), _randn(g, n_out, k, scale=0.02)
+        cands = mm.candidate_tiles(role)
+        for rows in DECODE_COUNTS:
+            xr = x[:rows].clone()
+            ref = mm._launch(xr, w, torch.empty(rows, n_out, dtype=torch.bfloat16, device="cuda"), None, None, rows, 1,
+                             mm.COLUMN)
+            for cfg in cands:
+                got = mm._launch_tma(xr, w, torch.empty_like(ref), cfg)
+                _same(got, ref, f"{geometry} {role} N={n_out} K={k} rows={rows} tile {cfg}")
+            assert mm.tma_tiles(role, rows, n_out, k, mm.sm_count(x)) in cands
+            for decode in (True, False):
+                monkeypatch.setattr(mm, "DECODE_TILES", decode)
+                _same(matmul(xr, w, role=role), ref, f"{geometry} matmul(role={role}) rows={rows} decode={decode}")
+    gpu_evidence.append({"test": f"decode_tiles_eq_pointer_{geometry}", "rows": DECODE_COUNTS,
+                         "tiles": len(mm.candidate_tiles("plain")), "bitwise": True})
+
+
+@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
+    """Every tile the grouped TMA GEMMs can take (gate/up, bf16 out; the flat down projection, fp32
+    out) computes the pointer kernel's bits at every token count, one tile per program over the
+    whole table and as the decode path runs it (the block loop over ``used_blocks``' blocks);
+    ``grouped_matmul`` with tokens and slots, with and without DECODE_TILES, too."""
+    import true_on_policy.kernels.grouped_tma as gt
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    h, _, _, _, e, top_k, inter = DECODE_GEOMETRIES[geometry]
+    g = _gen(h + e + top_k)
+    for name, role, n_out, k, dtype in (("gate_up", "plain", 2 * inter, h, torch.bfloat16),
+                                        ("down", "down", h, inter, torch.float32)):
+        w = _randn(g, e, n_out, k, scale=0.03)
+        for t in DECODE_COUNTS:
+            ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+            rows, be, _, own = align(ids, 0, e)
+            table = rows if name == "gate_up" else own
+            x = _randn(g, t if name == "gate_up" else table.shape[0], k)
+            real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
+            p = table.shape[0]
+            ref = mm._launch(x, w, torch.empty(p, n_out, dtype=dtype, device="cuda"), table, be, p, 1, mm.COLUMN)[real]
+            for cfg in mm.candidate_tiles(name):
+                for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
+                    count = p if sub == 1 else mm.used_blocks(t * top_k, e) * mm.ALIGN
+                    bexp = be.repeat_interleave(mm.ALIGN // (cfg["BLOCK_M"] * sub))
+                    got = gt.launch(x, w, torch.empty(p, n_out, dtype=dtype, device="cuda"), table, bexp, count, cfg,
+                                    subtiles=sub)
+                    _same(got[real], ref, f"{geometry} {name} tokens={t} tile {cfg} subtiles={sub}")
+            for decode in (True, False):
+                monkeypatch.setattr(mm, "DECODE_TILES", decode)
+                api = mm.grouped_matmul(x, w, table, be, dtype, 1, tree=False, role=role, tokens=t, slots=t * top_k)
+                _same(api[real], ref, f"{geometry} grouped_matmul({name}) tokens={t} decode={decode}")
+    gpu_evidence.append({"test": f"grouped_decode_tiles_eq_pointer_{geometry}", "tokens": DECODE_COUNTS,
+                         "tiles": len(mm.candidate_tiles("gate_up")), "bitwise": True})
