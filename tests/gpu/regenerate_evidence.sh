@@ -67,7 +67,10 @@ case $GROUP in
       --out "$E/bench-oproj-planes.json"
     # the plain GEMMs and the flat down projection with their weights from HBM (8 copies): the tile tables
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms o_proj_flat qkv router down_flat \
-      --tokens 1 64 256 4096 --copies 8 --out "$E/bench-tiles.json" ;;
+      --tokens 1 64 256 4096 --copies 8 --out "$E/bench-tiles.json"
+    # the decode tiles from the geometry against the fixed ones (matmul.DECODE_TILES), alternated in one run, weights
+    # from HBM, bits compared: qkv, o_proj, router, gate/up and down of 30B-A3B, 235B-A22B and h1536e256k6
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json" ;;
   flat)  # the tree-width-1 contract: parity at 6 and 48 layers (as realshape/realshape48), 48-layer throughput and profile
     F="--contract qwen3_moe_true_on_policy_flat_v1"
     run $P --mode tpo --trainer patched $F --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-flat-a3b6-t1.0.json"
