@@ -326,8 +326,11 @@ def expert_groups(slots: int, experts: int) -> tuple[int, int]:
     return used, triton.cdiv(slots, used)
 
 
-DECODE_TILES = True  # decode row counts take decode_tile's tiles; False: the fixed tiles and tables above
-# (benchmarks/decode_tiles.py and the GPU tier compare both)
+# Whether decode row counts take decode_tile's tiles (and the grouped GEMMs their used-blocks launch);
+# off: the fixed tiles and tables above, with their launch. It may be on by default only with the GPU
+# tier's evidence that every candidate tile is bitwise the pointer kernel (tests/gpu/test_kernels_gpu.py)
+# and benchmarks/decode_tiles.py's evidence that it is faster, both at the commit that turns it on.
+DECODE_TILES = False
 
 
 def tma_tiles(role: str, rows: int, n: int, k: int, sms: int) -> dict:

@@ -81,9 +81,10 @@ def test_the_rule_is_a_pure_function_of_the_shapes():
     assert mm.expert_groups(8, 128) == (8, 1) and mm.expert_groups(6, 256) == (6, 1)  # top-k experts are distinct
 
 
-def test_decode_rows_fill_the_gpu():
+def test_decode_rows_fill_the_gpu(monkeypatch):
     """Up to the decode bound: >= PROGRAMS_PER_SM x SMs busy programs with the widest tile that
     gives them, else the most programs a tile allowed for K gives."""
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
     for name, g, gemm, role, n, k in cases():
         for rows in (r for r in ROWS if r <= mm.DECODE_ROWS):
             for sms in SMS:
@@ -103,10 +104,10 @@ def test_decode_rows_fill_the_gpu():
 
 def test_one_row_busies_more_programs_than_the_fixed_tiles(monkeypatch):
     for name, g, gemm, role, n, k in cases():
+        monkeypatch.setattr(mm, "DECODE_TILES", True)
         new = busy(role, tile(role, n, k, 1, g, 132), n, 1, g)
         monkeypatch.setattr(mm, "DECODE_TILES", False)
         old = busy(role, tile(role, n, k, 1, g, 132), n, 1, g)
-        monkeypatch.setattr(mm, "DECODE_TILES", True)
         assert new >= 2 * old, (name, gemm, new, old)
 
 
