@@ -1,16 +1,22 @@
-"""Truncation speed: the sort-based ``truncate`` against the selection kernel ``truncate_select``.
+"""Truncation speed: the sort against the selection kernel, alone and inside the whole ``sample`` call.
 
-    PYTHONPATH=.:$PYTHONPATH python benchmarks/truncation.py [--batches 1 16 64 256] [--out trunc.json]
+    PYTHONPATH=.:$PYTHONPATH python benchmarks/truncation.py [--batches 1 16 64 256] [--step-ms 28.0] [--out trunc.json]
 
-Both take the same fp32 log-prob rows (the sampler's ``log_softmax_rows`` of randn logits, V =
+Both forms take the same fp32 log-prob rows (the sampler's ``log_softmax_rows`` of randn logits, V =
 151 936) and return the same bits (checked here on every point, and in
-``tests/gpu/test_truncation_select_gpu.py``). Per batch size and setting, the two are timed
-alternately in one run (the order flips every repetition), each call between two CUDA events
-after warm-up; the table gives the median ms of each and the ratio (truncate / select: above 1,
-selection is faster). Settings: Qwen3's sampling (top_k 20, top_p 0.95), top_p 0.9 alone (the
-cut by mass: the selection's costlier path) and min_p 0.05 alone. ``--block/--ways/--num-warps``
-pick the kernel's launch shape (speed only; the bits do not depend on it); ``--sweep`` times the
-selection alone over several launch shapes at the largest batch (and checks their bits).
+``tests/gpu/test_truncation_select_gpu.py``). Per batch size and setting, the sort (``truncate``
+with the switch off) and the selection kernel (``truncate_select``) are timed alternately in one
+run (the order flips every repetition), each call between two CUDA events after warm-up; the table
+gives the median ms of each and the ratio (sort / select: above 1, selection is faster). Then the
+whole ``sample`` call (SGLang's per-row tensors, ``truncating=True``) at the budget batch (256
+rows) with ``select_truncation`` off and on, alternated the same way, its ids, log-probs and
+distribution compared bitwise. ``budget`` judges issue 37's bound: the selection's ms at 256 rows
+(the slowest setting) as a fraction of a batch-256 decode step (``--step-ms``) against 3 %.
+Settings: Qwen3's sampling (top_k 20, top_p 0.95), top_p 0.9 alone (the cut by mass: the
+selection's costlier path) and min_p 0.05 alone. ``--block/--ways/--num-warps`` pick the kernel's
+launch shape (speed only; the bits do not depend on it; ``sample`` runs the default shape);
+``--sweep`` times the selection alone over several launch shapes at the largest batch (and checks
+their bits).
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ import argparse
 import statistics
 
 import torch
-from true_on_policy.kernels.sampling import log_softmax_rows, truncate
+from true_on_policy.kernels.sampling import log_softmax_rows, sample, select_truncation, truncate
 from true_on_policy.kernels.truncation import BLOCK, NUM_WARPS, WAYS, truncate_select
 
 VOCAB = 151936
 SETTINGS = {"qwen": (20, 0.95, 0.0), "top_p": (-1, 0.9, 0.0), "min_p": (-1, 1.0, 0.05)}
+BUDGET_ROWS = 256
+BUDGET_FRACTION = 0.03  # issue 37: truncation may take at most 3 % of a batch-256 decode step
+STEP_FROM = "evidence/profile-flat-a3b48.json"
 
 
 def _time(fn) -> float:
@@ -35,16 +44,8 @@ def _time(fn) -> float:
     return start.elapsed_time(end)
 
 
-def measure(rows: int, setting: str, reps: int, scale: float, block: int, ways: int, warps: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    logp = log_softmax_rows(torch.randn(rows, VOCAB, generator=g, device="cuda") * scale, 1.0)
-    k, p, mp = SETTINGS[setting]  # as SGLang's batch holds them: per-row int32 / fp32 tensors
-    k = torch.full((rows,), VOCAB if k < 0 else k, dtype=torch.int32, device="cuda")
-    p = torch.full((rows,), p, dtype=torch.float32, device="cuda")
-    mp = torch.full((rows,), mp, dtype=torch.float32, device="cuda")
-    sides = {"truncate": lambda: truncate(logp, k, p, mp),
-             "select": lambda: truncate_select(logp, k, p, mp, block=block, ways=ways, num_warps=warps)}
-    same = torch.equal(sides["truncate"](), sides["select"]())
+def _alternate(sides: dict, reps: int) -> dict:
+    """Median ms of each side, timed alternately (the order flips every repetition) after warm-up."""
     for _ in range(3):  # warm-up (compilation, allocator)
         for fn in sides.values():
             fn()
@@ -53,9 +54,68 @@ def measure(rows: int, setting: str, reps: int, scale: float, block: int, ways: 
     for i in range(reps):
         for name in order if i % 2 == 0 else order[::-1]:
             times[name].append(_time(sides[name]))
-    med = {name: statistics.median(t) for name, t in times.items()}
-    return {"rows": rows, "setting": setting, "logit_scale": scale, "truncate_ms": med["truncate"],
-            "select_ms": med["select"], "ratio": med["truncate"] / med["select"], "same_bits": same, "reps": reps}
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _params(rows: int, setting: str):
+    """top_k / top_p / min_p as SGLang's batch holds them: per-row int32 / fp32 tensors."""
+    k, p, mp = SETTINGS[setting]
+    return (torch.full((rows,), VOCAB if k < 0 else k, dtype=torch.int32, device="cuda"),
+            torch.full((rows,), p, dtype=torch.float32, device="cuda"),
+            torch.full((rows,), mp, dtype=torch.float32, device="cuda"))
+
+
+def _sort(logp, k, p, mp):
+    with select_truncation(False):
+        return truncate(logp, k, p, mp)
+
+
+def measure(rows: int, setting: str, reps: int, scale: float, block: int, ways: int, warps: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logp = log_softmax_rows(torch.randn(rows, VOCAB, generator=g, device="cuda") * scale, 1.0)
+    k, p, mp = _params(rows, setting)
+    sides = {"sort": lambda: _sort(logp, k, p, mp),
+             "select": lambda: truncate_select(logp, k, p, mp, block=block, ways=ways, num_warps=warps)}
+    same = torch.equal(sides["sort"](), sides["select"]())
+    med = _alternate(sides, reps)
+    return {"rows": rows, "setting": setting, "logit_scale": scale, "sort_ms": med["sort"],
+            "select_ms": med["select"], "ratio": med["sort"] / med["select"], "same_bits": same, "reps": reps}
+
+
+def measure_sample(rows: int, setting: str, reps: int, scale: float) -> dict:
+    """The whole ``sample`` call (log-softmax, truncation, draw, report) with the switch off and on."""
+    g = torch.Generator(device="cuda").manual_seed(rows + 1)
+    logits = torch.randn(rows, VOCAB, generator=g, device="cuda") * scale
+    temp = torch.ones(rows, dtype=torch.float32, device="cuda")
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), generator=g, device="cuda")
+    pos = torch.randint(0, 40000, (rows,), generator=g, device="cuda")
+    k, p, mp = _params(rows, setting)
+
+    def draw(on: bool):
+        with select_truncation(on):
+            return sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True)
+
+    off, on = draw(False), draw(True)
+    same = all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
+    med = _alternate({"sort": lambda: draw(False), "select": lambda: draw(True)}, reps)
+    return {"rows": rows, "setting": setting, "logit_scale": scale, "sample_sort_ms": med["sort"],
+            "sample_select_ms": med["select"], "ratio": med["sort"] / med["select"], "same_bits": same,
+            "reps": reps}
+
+
+def budget(table: list[dict], samples: list[dict], step_ms: float) -> dict:
+    """Issue 37's bound at BUDGET_ROWS: the selection's ms (slowest setting) / the decode step's ms."""
+    at = {r["setting"]: r for r in table if r["rows"] == BUDGET_ROWS}
+    per = {s: {"select_ms": r["select_ms"], "sort_ms": r["sort_ms"], "select_fraction": r["select_ms"] / step_ms,
+               "sort_fraction": r["sort_ms"] / step_ms} for s, r in at.items()}
+    for r in samples:
+        per[r["setting"]].update(sample_sort_ms=r["sample_sort_ms"], sample_select_ms=r["sample_select_ms"],
+                                 sample_sort_fraction=r["sample_sort_ms"] / step_ms,
+                                 sample_select_fraction=r["sample_select_ms"] / step_ms)
+    worst = max(r["select_ms"] for r in at.values())
+    return {"rows": BUDGET_ROWS, "step_ms": step_ms, "step_ms_from": STEP_FROM, "limit_fraction": BUDGET_FRACTION,
+            "select_ms_at_256": worst, "select_fraction_of_step": worst / step_ms,
+            "within_budget": worst / step_ms <= BUDGET_FRACTION, "per_setting": per}
 
 
 SHAPES = [(b, w, n) for b in (256, 512, 1024, 2048) for w in (4, 8, 16, 32) for n in (4, 8, 16) if b * w <= 32768]
@@ -65,8 +125,8 @@ def sweep(rows: int, setting: str, reps: int, scale: float) -> list[dict]:
     """The selection kernel alone over SHAPES (block, ways, num_warps) on one batch; bits checked."""
     g = torch.Generator(device="cuda").manual_seed(rows)
     logp = log_softmax_rows(torch.randn(rows, VOCAB, generator=g, device="cuda") * scale, 1.0)
-    k, p, mp = SETTINGS[setting]
-    want = truncate(logp, k, p, mp)
+    k, p, mp = _params(rows, setting)
+    want = _sort(logp, k, p, mp)
     out = []
     for block, ways, warps in SHAPES:
         fn = lambda b=block, w=ways, n=warps: truncate_select(logp, k, p, mp, block=b, ways=w, num_warps=n)
@@ -86,6 +146,9 @@ def main(argv=None):
     ap.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=sorted(SETTINGS))
     ap.add_argument("--scale", type=float, default=2.0, help="logits = randn * scale")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--step-ms", type=float, default=28.0,
+                    help="ms of one batch-256 decode step, the budget's denominator (default 28.0: the measured "
+                         f"step_ms of tpo_flat's batch-256 decode step, 48-layer 30B-A3B, context 512, in {STEP_FROM})")
     ap.add_argument("--block", type=int, default=BLOCK)
     ap.add_argument("--ways", type=int, default=WAYS)
     ap.add_argument("--num-warps", type=int, default=NUM_WARPS)
@@ -95,21 +158,32 @@ def main(argv=None):
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/truncation.py", *argv])
+    batches = sorted(set(args.batches) | {BUDGET_ROWS})  # the budget needs the selection at 256 rows
     table = [measure(b, s, args.reps, args.scale, args.block, args.ways, args.num_warps)
-             for b in args.batches for s in args.settings]
-    print("| rows | setting | truncate ms | select ms | truncate/select | same bits |\n|---:|---|---:|---:|---:|---|")
+             for b in batches for s in args.settings]
+    print("| rows | setting | sort ms | select ms | sort/select | same bits |\n|---:|---|---:|---:|---:|---|")
     for r in table:
-        print(f"| {r['rows']} | {r['setting']} | {r['truncate_ms']:.3f} | {r['select_ms']:.3f} | "
+        print(f"| {r['rows']} | {r['setting']} | {r['sort_ms']:.3f} | {r['select_ms']:.3f} | "
               f"{r['ratio']:.2f} | {r['same_bits']} |")
+    samples = [measure_sample(BUDGET_ROWS, s, args.reps, args.scale) for s in args.settings]
+    print("| rows | setting | sample, sort ms | sample, select ms | sort/select | same bits |\n"
+          "|---:|---|---:|---:|---:|---|")
+    for r in samples:
+        print(f"| {r['rows']} | {r['setting']} | {r['sample_sort_ms']:.3f} | {r['sample_select_ms']:.3f} | "
+              f"{r['ratio']:.2f} | {r['same_bits']} |")
+    judged = budget(table, samples, args.step_ms)
+    print(f"selection at {BUDGET_ROWS} rows: {judged['select_ms_at_256']:.3f} ms = "
+          f"{100 * judged['select_fraction_of_step']:.2f} % of a {args.step_ms} ms step "
+          f"(limit {100 * BUDGET_FRACTION:.0f} %): {'within' if judged['within_budget'] else 'over'}")
     shapes = []
     if args.sweep:
         print("| block | ways | num_warps | select ms | same bits |\n|---:|---:|---:|---:|---|")
-        shapes = [r for s in args.settings for r in sweep(max(args.batches), s, args.reps, args.scale)]
+        shapes = [r for s in args.settings for r in sweep(max(batches), s, args.reps, args.scale)]
     if args.out:
         launch = {"block": args.block, "ways": args.ways, "num_warps": args.num_warps}
         write_evidence(args.out, {"vocab": VOCAB, "launch": launch, "timing": "cuda events, alternated",
-                                  "table": table, "shapes": shapes}, prov)
-    return 0 if all(r["same_bits"] for r in table + shapes) else 1
+                                  "table": table, "sample": samples, "budget": judged, "shapes": shapes}, prov)
+    return 0 if all(r["same_bits"] for r in table + samples + shapes) else 1
 
 
 if __name__ == "__main__":

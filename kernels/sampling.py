@@ -27,22 +27,34 @@ Invariance: row r depends only on row r's logits and (T, s, p, top_k, top_p, min
 reads the vocabulary (any size V) in the 8 fixed shards of ceil(V/8) columns of ``kernels/logprobs``;
 each shard's winner is its exact fp64 maximum and lowest id attaining it (an fp32 estimate of the
 noise only skips chunks that cannot hold it: ``GUMBEL_ERR``); shard winners are combined in shard
-order; nothing depends on the row count or the chunking. The truncation is torch (``torch.sort`` stable,
-whose result is unique; ``torch.cumsum`` over int64 masses, exact whatever algorithm torch picks);
-it has no separate Triton form.
+order; nothing depends on the row count or the chunking. The truncation has two forms of one rule
+with the same bits: torch (``torch.sort`` stable, whose result is unique; ``torch.cumsum`` over
+int64 masses, exact whatever algorithm torch picks) and the selection kernel of
+``kernels/truncation.py`` (no sort; exact integer counts and sums). ``truncate`` picks one
+(``SELECT_ON_CUDA``, ``select_truncation``); the rollout's ``sample`` and the trainer's
+``truncated_token_logprobs`` both go through ``truncate``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.logprobs import SHARDS, finish, shard_stats, temperatures, token_z
+from true_on_policy.kernels.matmul import INTERPRETED
 
 _U_SCALE = 2.0 ** -32
 ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are row-independent)
+# ``truncate`` on CUDA tensors runs the selection kernel (``kernels/truncation.py``) instead of the
+# sort. Either gives the same bits (proof: that module's docstring), so the switch is speed only and
+# a rollout and a trainer may differ in it; off until the GPU tier (test_truncation_select_gpu.py)
+# has checked the kernel on the GPU. Changed only through ``select_truncation``.
+SELECT_ON_CUDA = False
+_SELECT_ANYWHERE = False  # select_truncation(force=True): the kernel on every device (the CPU tier)
 
 
 # ---------------------------------------------------------------------------- references
@@ -249,12 +261,44 @@ def truncation_params(rows, vocab, device, top_k=None, top_p=None, min_p=None):
     return k, p, mp, need
 
 
+@contextlib.contextmanager
+def select_truncation(on: bool = True, force: bool = False) -> Iterator[bool]:
+    """``with select_truncation(on):`` -- inside the block ``truncate`` takes the selection kernel
+    on CUDA tensors (on) or the sort everywhere (off); ``force=True`` (with on) takes the kernel on
+    every device, CPU tensors included (they need TRITON_INTERPRET=1: the CPU tier's hook). The
+    previous setting is back on exit, however the block ends; blocks nest. The bits do not depend
+    on the setting (``kernels/truncation.py``)."""
+    global SELECT_ON_CUDA, _SELECT_ANYWHERE
+    before = SELECT_ON_CUDA, _SELECT_ANYWHERE
+    SELECT_ON_CUDA, _SELECT_ANYWHERE = bool(on), bool(on and force)
+    try:
+        yield bool(on)
+    finally:
+        SELECT_ON_CUDA, _SELECT_ANYWHERE = before
+
+
+def selects(logp: torch.Tensor) -> bool:
+    """Whether ``truncate(logp, ...)`` runs the selection kernel now: the switch is on and ``logp``
+    is a CUDA tensor outside the interpreter, or the switch is forced."""
+    return _SELECT_ANYWHERE or (SELECT_ON_CUDA and logp.is_cuda and not INTERPRETED)
+
+
 def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int = ROW_CHUNK) -> torch.Tensor:
-    """fp32 [rows, vocab] logq (see the module docstring); rows that need no truncation are logp.
-    ``logp`` holds log-probabilities (each row's probabilities sum to at most 2, so the int64
-    masses cannot overflow). Rows are processed ``chunk`` at a time (row-independent, so the chunk
-    changes no bit)."""
+    """fp32 [rows, vocab] logq (see the module docstring); rows that need no truncation are logp
+    (a copy). ``logp`` holds log-probabilities: no NaN or +inf, and each row's probabilities sum to
+    at most 2, so the int64 masses cannot overflow (unchecked: a check would wait on the GPU). The
+    sort path takes rows ``chunk`` at a time (row-independent, so the chunk changes no bit); the
+    selection kernel (``selects``) takes every row in one launch. Neither path reads a value back
+    to the host or sizes an allocation by data (the sort's own workspace is torch's), so a call
+    can be captured in a CUDA graph when top_k / top_p / min_p are scalars or tensors on ``logp``'s
+    device."""
     rows, vocab = logp.shape
+    if selects(logp):
+        from true_on_policy.kernels.truncation import truncate_select  # (it imports this module)
+
+        return truncate_select(logp, top_k, top_p, min_p)
+    if rows == 0:
+        return logp.clone()
     k, p, mp, need = truncation_params(rows, vocab, logp.device, top_k, top_p, min_p)
     out = [_truncate_rows(logp[i:i + chunk], k[i:i + chunk], p[i:i + chunk], mp[i:i + chunk], need[i:i + chunk])
            for i in range(0, rows, chunk)]
@@ -291,7 +335,7 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     Returns (ids int64 [rows], logprobs fp32 [rows], dist) where dist is the fp32 [rows, vocab]
     distribution drawn from (logq) when truncation was applied or ``need_dist``, else None.
     ``truncating=False`` (the caller knows no row has 1 < top_k < vocab, top_p < 1 or min_p > 0)
-    skips the sort; ``None`` infers it from whether any of top_k/top_p/min_p was given.
+    skips the truncation; ``None`` infers it from whether any of top_k/top_p/min_p was given.
     """
     rows, vocab = logits.shape
     device = logits.device

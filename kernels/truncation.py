@@ -27,6 +27,11 @@ so the bits are the same; ``truncate_select_reference`` (torch, binary bisection
 ``_truncate_select_kernel`` (Triton, WAYS-ary search) state it twice. Precondition (as for
 ``truncate``): logp holds no NaN or +inf and sum exp(logp) < 2 (the masses' sums fit in int64).
 
+``kernels.sampling.truncate`` runs this kernel on CUDA tensors while ``SELECT_ON_CUDA`` is on
+(``select_truncation``), the sort otherwise; the rollout's ``sample`` and the trainer's
+``truncated_token_logprobs`` both call ``truncate``, so they take the same path in one process, and
+the same bits on either path.
+
 Invariance: row r's output depends only on row r's logp and (top_k, top_p, min_p). The kernel
 runs one program per row, reads the row in BLOCK-wide chunks, and reduces only by exact integer
 sums, max and min; the search's result is unique, so neither BLOCK nor WAYS nor the row count

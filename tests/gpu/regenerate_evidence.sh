@@ -2,8 +2,9 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | tp2 | pp2 (two GPUs each) | all (the
-#        one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space and tailprofile)
+#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | truncselect | tp2 | pp2 (two GPUs
+#        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile
+#        and truncselect)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -169,6 +170,12 @@ case $GROUP in
           --out "$E/profile-tail-$g${PROFILE_TAG:+-$PROFILE_TAG}.json"
       fi
     done ;;
+  truncselect)  # issue 37: the selection kernel against the sort, bitwise (truncate; sample and the trainer with the
+    # switch on and off at batches 1-256; a CUDA-graph replay of sample with it on), then its speed alone and in sample,
+    # and the fraction of a batch-256 decode step it takes: what decides kernels.sampling.SELECT_ON_CUDA
+    run tier gpu-tier-truncselect tests/gpu/test_truncation_select_gpu.py
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/truncation.py --batches 1 16 64 256 --step-ms 28.0 \
+      --out "$E/bench-truncation.json" ;;&
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
@@ -207,7 +214,7 @@ case $GROUP in
     part cost && run $C --trainer hf --steps 20 --stock --stock-steps 20 --out "$E/colocated-cost-a3b6.json"
     part tests && run tier gpu-tier-colocated tests/gpu/test_ray_gpu.py tests/gpu/test_megatron_gpu.py \
       tests/gpu/test_colocated_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|truncselect|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc
