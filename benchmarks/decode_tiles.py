@@ -3,12 +3,14 @@
 decode row counts, with the weights read from HBM; and whether both compute the same bits.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/decode_tiles.py [--geometries a3b48 a22b_h200 h1536e256k6] \\
-        [--rows 1 4 16 64 256] [--gemms qkv o_proj router gate_up down] [--rounds 6] [--out X.json]
+        [--rows 1 4 16 64 256] [--gemms qkv o_proj router gate_up down o_proj_tree down_tree] [--rounds 6] [--out X.json]
 
 Each GEMM as the rollout calls it: qkv, o_proj (tree width 1) and router through ``matmul`` with
 their roles ("plain", "row", "router"); gate/up and the flat down projection (fp32 out) through
 ``grouped_matmul`` with the call's tokens and slots, on T tokens routed uniformly at random
-(``moe.align``). A call runs over enough copies of its weights (``copies``) that the bytes it reads
+(``moe.align``); the segment-tree contract's (8 segments) o_proj through ``split_matmul`` as
+``tree_reduce.row_linear`` calls it at TP 1 (bf16 out) and its down projection through
+``grouped_matmul(segments=8, tree=True)`` (``seg_tree``, fp32 out). A call runs over enough copies of its weights (``copies``) that the bytes it reads
 are >= 4 x the L2, so every copy comes from HBM as in the layer stack. Each variant is one CUDA
 graph of the copies, captured with DECODE_TILES off ("old") or on ("new"); the two are replayed
 in alternation (old, new, new, old, ...) for ``--rounds`` rounds, so drifts of clock and heat fall
@@ -28,7 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-GEMMS = ("qkv", "o_proj", "router", "gate_up", "down")
+GEMMS = ("qkv", "o_proj", "router", "gate_up", "down", "o_proj_tree", "down_tree")
+TREE_SEGMENTS = 8  # the segment-tree contract's width at TP 1
 MAX_COPY_BYTES = 24 << 30  # the weight copies of one GEMM at most (HBM)
 
 
@@ -37,7 +40,8 @@ def layer_gemms(s: dict) -> dict:
     h, d = s["hidden_size"], s["head_dim"]
     hq, hkv, e, i = s["num_attention_heads"], s["num_key_value_heads"], s["num_experts"], s["moe_intermediate_size"]
     return {"qkv": ("plain", (hq + 2 * hkv) * d, h), "o_proj": ("row", h, hq * d), "router": ("router", e, h),
-            "gate_up": ("plain", 2 * i, h), "down": ("down", h, i)}
+            "gate_up": ("plain", 2 * i, h), "down": ("down", h, i), "o_proj_tree": ("split", h, hq * d),
+            "down_tree": ("seg_tree", h, i)}
 
 
 @contextlib.contextmanager
@@ -75,8 +79,12 @@ def _replay_ms(graph, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _tile(cfg: dict) -> str:
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
+def _tile(cfg) -> str:
+    """A tile, or (split_matmul) a (tile, segments per plane) pair."""
+    cfg, pp = cfg if isinstance(cfg, (tuple, list)) else (cfg, None)
+    bk = cfg.get("BLOCK_K", cfg.get("BK"))
+    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{bk} w{cfg['num_warps']} s{cfg['num_stages']}"
+            + (f" pp{pp}" if pp else ""))
 
 
 def case(s: dict, gemm: str, t: int, g, l2: int):
@@ -93,6 +101,19 @@ def case(s: dict, gemm: str, t: int, g, l2: int):
         c = max(2, min(-(-4 * l2 // touched_bytes), MAX_COPY_BYTES // full))
         return [(torch.randn(*shape, device="cuda", generator=g) * 0.03).bfloat16() for _ in range(c)]
 
+    if gemm == "o_proj_tree":
+        ws = copies_of((n, k), 2 * n * k)
+        x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+
+        def variant(decode):
+            def run():
+                with decode_tiles(decode):
+                    for w in ws:
+                        y = mm.split_matmul(x, w, TREE_SEGMENTS)
+                return y
+            return run
+        return (variant, None, 2 * n * k,
+                lambda d: _with(d, lambda: mm.split_tiles(t, n, k, TREE_SEGMENTS, sms)), len(ws))
     if gemm in ("qkv", "o_proj", "router"):
         ws = copies_of((n, k), 2 * n * k)
         x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
@@ -108,6 +129,7 @@ def case(s: dict, gemm: str, t: int, g, l2: int):
     ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
     rows, be, _, own = align(ids, 0, e)
     table = rows if gemm == "gate_up" else own
+    segments = TREE_SEGMENTS if gemm == "down_tree" else 1
     touched = int(torch.unique(ids).numel()) * n * k * 2
     ws = copies_of((e, n, k), top_k * n * k * 2)  # at one token: top_k experts touched
     x = torch.randn(t if gemm == "gate_up" else table.shape[0], k, device="cuda", generator=g).bfloat16()
@@ -118,11 +140,15 @@ def case(s: dict, gemm: str, t: int, g, l2: int):
         def run():
             with decode_tiles(decode):
                 for w in ws:
-                    y = mm.grouped_matmul(x, w, table, be, dtype, 1, tree=False, role=role, tokens=t, slots=t * top_k)
+                    y = mm.grouped_matmul(x, w, table, be, dtype, segments, tree=segments > 1,
+                                          role="plain" if segments > 1 else role, tokens=t, slots=t * top_k)
             return y
         return run
-    return (variant, mask, touched, lambda d: _with(d, lambda: mm.grouped_tiles(role, t, t * top_k, e, n, k, sms)),
-            len(ws))
+    if segments > 1:
+        tiles = lambda d: _with(d, lambda: mm.seg_tiles(t, t * top_k, e, n, k, segments, sms))  # noqa: E731
+    else:
+        tiles = lambda d: _with(d, lambda: mm.grouped_tiles(role, t, t * top_k, e, n, k, sms))  # noqa: E731
+    return variant, mask, touched, tiles, len(ws)
 
 
 def _with(decode, fn):

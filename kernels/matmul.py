@@ -9,8 +9,9 @@ the pairwise tree ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))`` (``tree_sum``).
 Invariance: row i depends only on row i of x and on W (never on the number of rows, their
 order or the tile they share); column j depends only on row j of W, so splitting W's rows over
 ranks (column parallel) changes no output element. Tile sizes are constants (below), the same
-for every token count, except the TMA tiles at decode row counts (``decode_tile``: chosen from
-the GEMM's shape and the device's SM count) and the tile tables of the tree-width-1 GEMMs
+for every token count, except the TMA tiles and the tree GEMMs' tiles at decode row counts under
+DECODE_TILES (``decode_tile``, ``split_tiles``, ``tree_tiles``, ``seg_tiles``: chosen from the GEMM's
+shape and the device's SM count, the segments' K chunks kept) and the tile tables of the tree-width-1 GEMMs
 (``ROW_TMA``, ``DOWN_TMA``), whose tiles all compute the same bits (checked on the GPU); ``M`` is
 not specialised by Triton (``do_not_specialize``).
 """
@@ -310,12 +311,27 @@ def decode_tile(rows: int, n: int, k: int, sms: int, groups: int = 1, looped: bo
     else 64; BLOCK_N: the widest of DECODE_BN that streams at least MIN_PROGRAM_BYTES of weights per
     program and gives groups x row programs x column tiles >= PROGRAMS_PER_SM x sms programs, else the
     narrowest of those. A pure function of its arguments (cached); every result is in DECODE_GRID."""
-    bm = next((b for b in DECODE_BM if b >= rows), DECODE_BM[-1])
+    bm = decode_bm(rows)
     bk = 128 if k >= LONG_K else 64
-    widths = [bn for bn in DECODE_BN if 2 * bn * k >= MIN_PROGRAM_BYTES] or [DECODE_BN[0]]
     busy = groups * (1 if looped else triton.cdiv(rows, bm))
-    bn = next((b for b in widths if busy * triton.cdiv(n, b) >= PROGRAMS_PER_SM * sms), widths[-1])
-    return DECODE_GRID[bm, bn, bk]
+    return DECODE_GRID[bm, fill_width(decode_widths(k), busy, n, sms), bk]
+
+
+def decode_bm(rows: int) -> int:
+    """The smallest of DECODE_BM that holds ``rows`` rows (the largest above)."""
+    return next((b for b in DECODE_BM if b >= rows), DECODE_BM[-1])
+
+
+def decode_widths(k: int) -> list[int]:
+    """DECODE_BN's widths whose programs stream >= MIN_PROGRAM_BYTES of weights over a K of ``k``
+    (the widest when none does), widest first."""
+    return [bn for bn in DECODE_BN if 2 * bn * k >= MIN_PROGRAM_BYTES] or [DECODE_BN[0]]
+
+
+def fill_width(widths, busy: int, n: int, sms: int) -> int:
+    """The widest of ``widths`` whose ``busy`` x ceil(N / width) programs reach PROGRAMS_PER_SM x sms,
+    else the narrowest (the most programs)."""
+    return next((b for b in widths if busy * triton.cdiv(n, b) >= PROGRAMS_PER_SM * sms), widths[-1])
 
 
 def expert_groups(slots: int, experts: int) -> tuple[int, int]:
@@ -359,9 +375,97 @@ def used_blocks(slots: int, experts: int) -> int:
     return min(experts, slots) + triton.cdiv(slots, ALIGN)
 
 
+# The tree GEMMs of the segment-tree contract (o_proj: ``split_matmul`` and ``matmul(tree=True)``; the
+# MoE down projection: ``seg_tree``) take decode tiles under DECODE_TILES too, the same way: at most
+# DECODE_ROWS rows, >= PROGRAMS_PER_SM x SMs busy programs where a tile can give them. The segments and
+# each segment's K chunks (BLOCK_K, seg_tree's BK and tail) fix the reduction order and stay the
+# fixed tiles'; only BLOCK_M, BLOCK_N, N_GROUP and the segments per plane follow the shape. Each such
+# tile runs a segment's 16-wide MMA steps from the segment's first column into a fresh fp32
+# accumulator and adds the segments in the same tree (planes of 1, 2 or 4 segments: the same
+# additions in the same order), so all compute the fixed tiles' bits (GPU tier:
+# test_tree_decode_tiles_equal_fixed; CPU tier: tests/cpu/test_decode_tiles_tree.py).
+SPLIT_GRID = {(bm, bn): DECODE_GRID[bm, bn, ROW["BLOCK_K"]] for bm in DECODE_BM for bn in DECODE_BN}
+FLAT_GRID = {(bm, bn): dict(ROW_FLAT, BLOCK_M=bm, BLOCK_N=bn, N_GROUP=1) for bm in DECODE_BM for bn in DECODE_BN}
+SEG_GRID = {(bm, bn): dict(ROW_SEG, BLOCK_M=bm, BLOCK_N=bn) for bm in DECODE_BM for bn in DECODE_BN}
+
+
+@functools.lru_cache(maxsize=4096)
+def split_decode_tile(rows: int, n: int, k: int, segments: int, sms: int) -> tuple[dict, int]:
+    """(tile, segments per plane) of ``split_matmul`` at ``rows`` rows of [rows, K] @ [N, K]^T in
+    ``segments`` segments: of the (per plane, BLOCK_N) pairs whose programs stream >= MIN_PROGRAM_BYTES
+    of weights, the one with the fewest programs reaching PROGRAMS_PER_SM x sms (ties: more segments
+    per plane, fewer planes to write and read back; then the wider tile), else the one with the most
+    programs. BLOCK_M as ``decode_tile``. A pure function of its arguments; the tile is in SPLIT_GRID."""
+    bm, seg = decode_bm(rows), k // segments
+    pairs = [(pp, bn) for pp in (4, 2, 1) if segments % pp == 0 for bn in DECODE_BN]
+    pairs = [(pp, bn) for pp, bn in pairs if 2 * bn * seg * pp >= MIN_PROGRAM_BYTES] or pairs[:1]
+    options = [(triton.cdiv(rows, bm) * triton.cdiv(n, bn) * (segments // pp), pp, bn) for pp, bn in pairs]
+    full = [o for o in options if o[0] >= PROGRAMS_PER_SM * sms]
+    _, pp, bn = min(full, key=lambda o: (o[0], -o[1], -o[2])) if full else max(options)
+    return SPLIT_GRID[bm, bn], pp
+
+
+def split_tiles(rows: int, n: int, k: int, segments: int, sms: int) -> tuple[dict, int]:
+    """(tile, segments per plane) of ``split_matmul``: ``split_decode_tile`` up to DECODE_ROWS rows
+    under DECODE_TILES, else ROW with PER_PLANE segments per plane (1 where PER_PLANE does not divide)."""
+    if DECODE_TILES and rows <= DECODE_ROWS:
+        return split_decode_tile(rows, n, k, segments, sms)
+    return ROW, PER_PLANE if segments % PER_PLANE == 0 else 1
+
+
+def tree_tiles(cfg: dict, rows: int, n: int, k: int, sms: int) -> dict:
+    """The tile of ``matmul(tree=True)`` whose fixed tile is ``cfg`` (ROW_FLAT or ROW): up to DECODE_ROWS
+    rows under DECODE_TILES, the same K chunks (FLAT_GRID, one column tile per program; SPLIT_GRID) with
+    BLOCK_M and BLOCK_N as ``decode_tile`` picks them over the whole K; else ``cfg``."""
+    if not (DECODE_TILES and rows <= DECODE_ROWS):
+        return cfg
+    bm = decode_bm(rows)
+    grid = FLAT_GRID if cfg is ROW_FLAT else SPLIT_GRID
+    return grid[bm, fill_width(decode_widths(k), triton.cdiv(rows, bm), n, sms)]
+
+
+@functools.lru_cache(maxsize=4096)
+def seg_decode_tile(slots: int, experts: int, n: int, k: int, segments: int, sms: int) -> dict:
+    """The ``seg_tree`` tile of the grouped tree GEMM (the MoE down projection, one program per expert
+    block and column tile, looping over the block's row tiles): BLOCK_M as ``decode_tile`` over the
+    rows per expert in use (``expert_groups``), BLOCK_N the widest whose staged segment fits
+    (``seg_tree.smem_ok``) giving experts in use x column tiles >= PROGRAMS_PER_SM x sms, as
+    ``decode_tile``; ROW_SEG where no width fits. A pure function; the tile is in SEG_GRID."""
+    from true_on_policy.kernels.seg_tree import smem_ok
+
+    used, per = expert_groups(slots, experts)
+    bm = decode_bm(per)
+    fits = [bn for bn in DECODE_BN if smem_ok(k // segments, SEG_GRID[bm, bn])]
+    if not fits:
+        return ROW_SEG
+    widths = [bn for bn in fits if 2 * bn * k >= MIN_PROGRAM_BYTES] or fits[:1]
+    return SEG_GRID[bm, fill_width(widths, used, n, sms)]
+
+
+def seg_tiles(tokens: int, slots: int | None, experts: int, n: int, k: int, segments: int, sms: int) -> dict:
+    """The ``seg_tree`` tile of a grouped tree GEMM of ``tokens`` tokens and ``slots`` pairs:
+    ``seg_decode_tile`` (launched over ``used_blocks``' blocks) up to DECODE_ROWS tokens under
+    DECODE_TILES when ``slots`` is known, else ROW_SEG over the whole table."""
+    if DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
+        return seg_decode_tile(slots, experts, n, k, segments, sms)
+    return ROW_SEG
+
+
+TREE_ROLES = ("split", "tree", "seg_tree")  # split_matmul's tiles (per plane 1, 2, 4); matmul(tree=True)'s; seg_tree's
+
+
 def candidate_tiles(role: str) -> list[dict]:
-    """Every TMA tile the launchers can give a GEMM of ``role`` (a role of TMA, "gate_up" or "down"),
-    for any geometry, row count and DECODE_TILES: what the GPU tier checks bit for bit."""
+    """Every tile the launchers can give a GEMM of ``role`` (a role of TMA, "gate_up" or "down", or a
+    tree GEMM of TREE_ROLES), for any geometry, row count and DECODE_TILES: what the GPU tier checks
+    bit for bit ("split": each with 1, 2 and 4 segments per plane where they divide the segments)."""
+    if role in TREE_ROLES:
+        fixed = {"split": [ROW], "tree": [ROW_FLAT, ROW], "seg_tree": [ROW_SEG]}[role]
+        grids = {"split": [SPLIT_GRID], "tree": [FLAT_GRID, SPLIT_GRID], "seg_tree": [SEG_GRID]}[role]
+        out = list(fixed)
+        for c in (c for g in grids for c in g.values()):
+            if c not in out:
+                out.append(c)
+        return out
     fixed = {"gate_up": [GROUPED_UP_TMA], "down": table_tiles(DOWN_TMA)}.get(role) or table_tiles(TMA[role])
     grid = list(DECODE_GRID.values()) if role in DECODE_ROLES + ("gate_up", "down") else []
     return grid + [c for c in fixed if c not in grid]
@@ -501,11 +605,15 @@ def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None
     computes the subtree of that many consecutive segments, (s0+s1) or (s0+s1)+(s2+s3), so
     S / per_plane planes are written and read back; ``_tree_kernel`` then adds the planes in the
     rest of the same tree. The same additions in the same order. ``cfg``: the
-    tiles of the partial GEMM (default ROW; every tile computes the same bits, GPU tier)."""
+    tiles of the partial GEMM (every tile computes the same bits, GPU tier). Neither given: ``split_tiles``
+    (ROW and PER_PLANE; under DECODE_TILES at decode rows both from the shape)."""
     _check(x, w, "split_matmul")
+    m, n = x.shape[0], w.shape[0]
+    if cfg is None and per_plane is None:  # (the SM count is read only for a decode tile)
+        cfg, per_plane = split_tiles(m, n, x.shape[1], segments,
+                                     sm_count(x) if DECODE_TILES and m <= DECODE_ROWS else 0)
     if per_plane is None:
         per_plane = PER_PLANE if segments % PER_PLANE == 0 else 1
-    m, n = x.shape[0], w.shape[0]
     planes = segments // per_plane if per_plane in (1, 2, 4) and segments % per_plane == 0 else 0
     parts = torch.empty(max(planes, 1), m, n, dtype=torch.float32, device=x.device)
     _launch(x, w, parts, None, None, m, segments, cfg or ROW, split=True, per_plane=per_plane)
@@ -550,6 +658,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
         return _launch_tma(x, w, out, tma_tiles(role, x.shape[0], w.shape[0], x.shape[1], sm_count(x)))
+    if cfg is not COLUMN and DECODE_TILES and x.shape[0] <= DECODE_ROWS:
+        cfg = tree_tiles(cfg, x.shape[0], w.shape[0], x.shape[1], sm_count(x))
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
 
 
@@ -569,7 +679,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     ``tokens`` and ``slots`` (the (token, expert) pairs the table was built from, ``align``'s T x k):
     up to DECODE_ROWS tokens the TMA tiles follow ``grouped_tiles``, programs are launched only for
     the blocks the table can fill (``used_blocks``), one per block and column tile (its row tiles in
-    turn); no bit changes.
+    turn); the same for the grouped tree GEMM's ``seg_tree`` tiles (``seg_tiles``); no bit changes.
     """
     _check(x, w, "grouped_matmul")
     from true_on_policy.kernels import grouped_tma, seg_tree
@@ -584,7 +694,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
     k = x.shape[1]
     cfg = _tiles(segments, tree, k)
-    count, subtiles = rows.shape[0], 1
+    count, subtiles, seg = rows.shape[0], 1, False
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
     if tma and DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
         cfg = grouped_tiles(role, tokens, slots, w.shape[0], w.shape[1], k, sm_count(x))
@@ -595,12 +705,18 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
           and seg_tree.smem_ok(k // segments, ROW_SEG)):
-        cfg = ROW_SEG  # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
+        # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
+        seg = True
+        if DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
+            cfg = seg_tiles(tokens, slots, w.shape[0], w.shape[1], k, segments, sm_count(x))
+            count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
+        else:
+            cfg = ROW_SEG
     per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
     if tma:
         return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles)
-    if cfg is ROW_SEG:
-        return seg_tree.launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)
+    if seg:
+        return seg_tree.launch(x, w, out, rows, block_expert, count, segments, cfg, subtiles=subtiles)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)

@@ -14,7 +14,9 @@ like a binary counter, without branches: after segment s,
     s % 2 == 0: p1 = y_s;   s % 4 == 1: p2 = p1 + y_s;   s % 8 == 3: p4 = p2 + (p1 + y_s);
     s % 8 == 7: p8 = p4 + (p2 + (p1 + y_s))
 and the root is p_S. Invariance: row i depends only on row i of x (or of the gathered rows) and
-on W; the tiles are constants (never chosen by the token count; ``M`` is not specialised).
+on W; ``M`` is not specialised; the tile is ROW_SEG, or at decode token counts one of
+``matmul.SEG_GRID`` (``matmul.seg_tiles``: from the shape, BK and the tail kept, the same bits), whose
+program may run an expert block's row tiles in turn (``SUBTILES``).
 
 Tried and removed: the fold one segment late (``FOLD="lag"``: the same bits, slower than the
 select fold at every down-projection size); the segments in pairs (``FOLD="pair"``: not bitwise on
@@ -44,21 +46,12 @@ def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_
     return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
-                     stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
-                     BKT: tl.constexpr, DOT_F32: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if GROUPED:
-        expert = tl.load(BLOCK_EXPERT + pid_m)
-        if expert < 0:
-            return
-        if tl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
-            return
-        B += expert.to(tl.int64) * stride_be
-    a_rows, row_ok = gather_rows(A_IDX, pid_m, M, HAS_IDX, BLOCK_M)
+@triton.jit
+def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
+              stride_cn, HAS_IDX: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Row tile ``tile`` times column tile ``pid_n``: the segments in order, the tree folded by selects."""
+    a_rows, row_ok = gather_rows(A_IDX, tile, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -83,9 +76,35 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
         root = p4
     else:
         root = p8
-    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    out_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
              mask=(out_rows < M)[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                     stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
+                     BKT: tl.constexpr, DOT_F32: tl.constexpr, SUBTILES: tl.constexpr = 1):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        expert = tl.load(BLOCK_EXPERT + pid_m)
+        if expert < 0:
+            return
+        if SUBTILES == 1:
+            if tl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
+                return
+        B += expert.to(tl.int64) * stride_be
+    if SUBTILES == 1:
+        _seg_tile(A, B, C, A_IDX, pid_m, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
+                  stride_cn, HAS_IDX, SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    else:  # an expert block's tiles in order; its rows come first, padding after: the real rows are a prefix
+        offs = pid_m * (SUBTILES * BLOCK_M) + tl.arange(0, SUBTILES * BLOCK_M)
+        real = tl.sum((tl.load(A_IDX + offs, mask=offs < M, other=-1) >= 0).to(tl.int32), axis=0)
+        for t in range(0, tl.cdiv(real, BLOCK_M)):
+            _seg_tile(A, B, C, A_IDX, pid_m * SUBTILES + t, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn,
+                      stride_bk, stride_cm, stride_cn, HAS_IDX, SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
 
 
 @triton.jit
@@ -132,22 +151,28 @@ def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
     return cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * seg * elem <= SMEM_BUDGET
 
 
-def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False):
+def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False,
+           subtiles: int = 1):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages (any other
-    key is refused: the removed candidates' ``FOLD`` and ``INNER`` among them)."""
+    key is refused: the removed candidates' ``FOLD`` and ``INNER`` among them). ``subtiles``
+    (grouped only): the BLOCK_M-row tiles of an expert block one program runs in turn, as many as
+    hold real rows (block_expert [rows / (BLOCK_M x subtiles)]); ``rows`` may stop short of the
+    table (the blocks past it unused). Which program computes a tile changes none of its bits."""
+    if subtiles > 1 and block_expert is None:
+        raise KernelLimitError("seg_tree: subtiles need an expert-grouped table")
     extra = set(cfg) - {"BLOCK_M", "BLOCK_N", "BK", "num_warps", "num_stages"}
     if extra:
         raise ValueError(f"seg_tree: unknown config keys {sorted(extra)}")
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]))
     if rows and n:
         _seg_tree_kernel[grid](
             x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
             out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,
             SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail,
-            DOT_F32=dot_f32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            DOT_F32=dot_f32, SUBTILES=subtiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -590,3 +590,64 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
                 _same(api[real], ref, f"{geometry} grouped_matmul({name}) tokens={t} decode={decode}")
     gpu_evidence.append({"test": f"grouped_decode_tiles_eq_pointer_{geometry}", "tokens": DECODE_COUNTS,
                          "tiles": len(mm.candidate_tiles("gate_up")), "bitwise": True})
+
+
+@pytest.mark.parametrize("segments", [8, 4, 2, 1])  # local segments at TP 1, 2, 4, 8 (K sharded alike)
+@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evidence):
+    """Every tile the tree GEMMs can take (``matmul.candidate_tiles``: "split" with 1, 2 and 4 segments
+    per plane, "tree", "seg_tree" over the whole table and as the decode path launches it, the block
+    loop over ``used_blocks``' blocks) computes the fixed path's bits for o_proj and the MoE down
+    projection of the geometry at every row count; the launchers with and without DECODE_TILES too."""
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.seg_tree as st
+    from true_on_policy.kernels.moe import align
+
+    h, hq, _, d, e, top_k, inter = DECODE_GEOMETRIES[geometry]
+    g = _gen(h + e + segments)
+    k = hq * d * segments // 8
+    x, w = _randn(g, max(DECODE_COUNTS), k), _randn(g, h, k, scale=0.02)
+    for rows in DECODE_COUNTS:
+        xr = x[:rows].clone()
+        ref = mm.split_matmul(xr, w, segments, torch.float32, per_plane=1, cfg=mm.ROW)
+        ref16 = mm.split_matmul(xr, w, segments, per_plane=1, cfg=mm.ROW)
+        for cfg in mm.candidate_tiles("split"):
+            for pp in (p for p in (1, 2, 4) if segments % p == 0):
+                _same(mm.split_matmul(xr, w, segments, torch.float32, per_plane=pp, cfg=cfg), ref,
+                      f"{geometry} split S={segments} rows={rows} per_plane={pp} tile {cfg}")
+        for cfg in mm.candidate_tiles("tree"):
+            if cfg.get("FLAT") and (k // segments) % cfg["BLOCK_K"]:
+                continue
+            got = mm._launch(xr, w, torch.empty_like(ref), None, None, rows, segments, cfg)
+            _same(got, ref, f"{geometry} tree S={segments} rows={rows} tile {cfg}")
+        for decode in (True, False):
+            monkeypatch.setattr(mm, "DECODE_TILES", decode)
+            _same(mm.split_matmul(xr, w, segments, torch.float32), ref, f"split_matmul rows={rows} decode={decode}")
+            _same(mm.split_matmul(xr, w, segments), ref16, f"split_matmul bf16 rows={rows} decode={decode}")
+            _same(matmul(xr, w, torch.float32, segments, tree=True), ref, f"matmul tree rows={rows} decode={decode}")
+    kd = inter * segments // 8
+    w2 = _randn(g, e, h, kd, scale=0.03)
+    for t in DECODE_COUNTS:
+        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+        _, be, _, own = align(ids, 0, e)
+        p = own.shape[0]
+        hx = _randn(g, p, kd)
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        ref = st.launch(hx, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own,
+                        be.repeat_interleave(mm.ALIGN // mm.ROW_SEG["BLOCK_M"]), p, segments, mm.ROW_SEG)[real]
+        for cfg in mm.candidate_tiles("seg_tree"):
+            if not st.smem_ok(kd // segments, cfg):
+                continue
+            for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
+                count = p if sub == 1 else mm.used_blocks(t * top_k, e) * mm.ALIGN
+                bexp = be.repeat_interleave(mm.ALIGN // (cfg["BLOCK_M"] * sub))
+                got = st.launch(hx, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, count,
+                                segments, cfg, subtiles=sub)
+                _same(got[real], ref, f"{geometry} seg_tree S={segments} tokens={t} tile {cfg} subtiles={sub}")
+        for decode in (True, False):
+            monkeypatch.setattr(mm, "DECODE_TILES", decode)
+            api = mm.grouped_matmul(hx, w2, own, be, torch.float32, segments, tree=True, tokens=t, slots=t * top_k)
+            _same(api[real], ref, f"{geometry} grouped_matmul(tree) S={segments} tokens={t} decode={decode}")
+            assert mm.seg_tiles(t, t * top_k, e, h, kd, segments, mm.sm_count(hx)) in mm.candidate_tiles("seg_tree")
+    gpu_evidence.append({"test": f"tree_decode_tiles_eq_fixed_{geometry}_s{segments}", "rows": DECODE_COUNTS,
+                         "tiles": {r: len(mm.candidate_tiles(r)) for r in mm.TREE_ROLES}, "bitwise": True})
