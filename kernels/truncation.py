@@ -182,7 +182,7 @@ def _truncate_select_kernel(LOGP, OUT, K, CUT, USEP, MP, NEED, stride_in, stride
         allow = tl.where(usep != 0, tl.where(G > cut, 0, fits), c)
         kept = tl.maximum(tl.minimum(tl.minimum(k, C + allow), tl.minimum(len_m, C + c)), 1)
         n = kept - C
-        log_total = tl.log((G + n * m).to(tl.float64) * 2.168404344971009e-19)  # 2^-62, exact
+        log_total = tl.log((G + n * m).to(tl.float64) * (1.0 / 4611686018427387904.0))  # 2^-62 (folded at compile time), exact
         seen = tl.full([], 0, tl.int64)  # tied tokens in earlier chunks
         for start in range(0, VOCAB, BLOCK):
             cols = start + lanes

@@ -106,8 +106,7 @@ def test_tp_preview_contract_widens_only_tp_ep_and_pp():
 
 
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
-# pinned: the flat contract's evidence names this fingerprint (the tile tables' text; 43bf919's
-# evidence was 88c9bcdf..., the same bits with fixed tiles)
+# pinned: the flat contract's evidence names this fingerprint (a contract change must change it here too)
 FLAT_FINGERPRINT = "bf0f9c647a8e0e370ae4089ed2a494a8fc564ef17a2d799bb8410c17337b810a"
 
 
