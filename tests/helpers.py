@@ -50,6 +50,21 @@ def random_moe(g, tokens: int, experts: int, hidden: int, inter: int, router_sca
             r(experts, 2 * inter, hidden, scale=weight_scale), r(experts, hidden, inter, scale=weight_scale))
 
 
+def truncation_rows(g, kind: str, rows: int, vocab: int):
+    """fp32 logits [rows, vocab] that stress a truncation cut: "flat" (many tokens near every cut),
+    "peaked", "ties" (equal values, the lower id first) or "masked" (half -inf, column 0 finite)."""
+    import torch
+
+    if kind == "ties":
+        x = torch.randint(0, 4, (rows, vocab), generator=g).float() * 0.5
+    else:
+        x = torch.randn(rows, vocab, generator=g) * (0.05 if kind == "flat" else 4.0)
+    if kind == "masked":
+        x[torch.rand(rows, vocab, generator=g) < 0.5] = float("-inf")
+        x[:, 0] = 0.0
+    return x
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -64,6 +64,7 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
+from helpers import truncation_rows  # noqa: E402
 from true_on_policy.kernels import sampling  # noqa: E402
 from true_on_policy.kernels.sampling import (  # noqa: E402
     sample,
@@ -105,14 +106,7 @@ def check(off, on, what):
 
 
 def rows_of(kind, rows, vocab):
-    if kind == "ties":
-        x = torch.randint(0, 4, (rows, vocab), generator=g).float() * 0.5
-    else:
-        x = torch.randn(rows, vocab, generator=g) * (0.05 if kind == "flat" else 4.0)
-    if kind == "masked":
-        x[torch.rand(rows, vocab, generator=g) < 0.5] = float("-inf")
-        x[:, 0] = 0.0
-    return x
+    return truncation_rows(g, kind, rows, vocab)
 
 
 # truncate: mixed per-row settings (fp32 top_p / min_p, int32 top_k as SGLang holds them)

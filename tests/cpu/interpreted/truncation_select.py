@@ -7,7 +7,7 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
-from helpers import expect_value_errors  # noqa: E402
+from helpers import expect_value_errors, truncation_rows  # noqa: E402
 from true_on_policy.kernels.sampling import truncate  # noqa: E402
 from true_on_policy.kernels.truncation import truncate_select  # noqa: E402
 
@@ -15,14 +15,7 @@ g = torch.Generator().manual_seed(0)
 
 
 def rows_of(kind, rows, vocab):
-    if kind == "ties":
-        x = torch.randint(0, 4, (rows, vocab), generator=g).float() * 0.5
-    else:
-        x = torch.randn(rows, vocab, generator=g) * (0.05 if kind == "flat" else 4.0)
-    if kind == "masked":
-        x[torch.rand(rows, vocab, generator=g) < 0.5] = float("-inf")
-        x[:, 0] = 0.0
-    return torch.log_softmax(x, dim=-1)
+    return torch.log_softmax(truncation_rows(g, kind, rows, vocab), dim=-1)
 
 
 def check(got, want, what):
