@@ -105,26 +105,14 @@ def case(s: dict, gemm: str, t: int, g, l2: int):
         ws = copies_of((n, k), 2 * n * k)
         x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
 
-        def variant(decode):
-            def run():
-                with decode_tiles(decode):
-                    for w in ws:
-                        y = mm.split_matmul(x, w, TREE_SEGMENTS)
-                return y
-            return run
+        variant = _over_copies(ws, lambda w: mm.split_matmul(x, w, TREE_SEGMENTS))
         return (variant, None, 2 * n * k,
                 lambda d: _with(d, lambda: mm.split_tiles(t, n, k, TREE_SEGMENTS, sms)), len(ws))
     if gemm in ("qkv", "o_proj", "router"):
         ws = copies_of((n, k), 2 * n * k)
         x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
 
-        def variant(decode):
-            def run():
-                with decode_tiles(decode):
-                    for w in ws:
-                        y = mm.matmul(x, w, role=role)
-                return y
-            return run
+        variant = _over_copies(ws, lambda w: mm.matmul(x, w, role=role))
         return variant, None, 2 * n * k, lambda d: _with(d, lambda: mm.tma_tiles(role, t, n, k, sms)), len(ws)
     ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
     rows, be, _, own = align(ids, 0, e)
@@ -136,19 +124,27 @@ def case(s: dict, gemm: str, t: int, g, l2: int):
     dtype = torch.bfloat16 if gemm == "gate_up" else torch.float32
     mask = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
 
-    def variant(decode):
-        def run():
-            with decode_tiles(decode):
-                for w in ws:
-                    y = mm.grouped_matmul(x, w, table, be, dtype, segments, tree=segments > 1,
-                                          role="plain" if segments > 1 else role, tokens=t, slots=t * top_k)
-            return y
-        return run
+    variant = _over_copies(ws, lambda w: mm.grouped_matmul(x, w, table, be, dtype, segments, tree=segments > 1,
+                                                          role="plain" if segments > 1 else role, tokens=t,
+                                                          slots=t * top_k))
     if segments > 1:
         tiles = lambda d: _with(d, lambda: mm.seg_tiles(t, t * top_k, e, n, k, segments, sms))  # noqa: E731
     else:
         tiles = lambda d: _with(d, lambda: mm.grouped_tiles(role, t, t * top_k, e, n, k, sms))  # noqa: E731
     return variant, mask, touched, tiles, len(ws)
+
+
+def _over_copies(ws, call):
+    """variant(decode) -> a function that runs ``call(w)`` on every weight copy with the decode tiles
+    on or off and returns the last output (what a graph of it captures)."""
+    def variant(decode):
+        def run():
+            with decode_tiles(decode):
+                for w in ws:
+                    y = call(w)
+            return y
+        return run
+    return variant
 
 
 def _with(decode, fn):
