@@ -70,13 +70,12 @@ def _graph(fn):
 
 
 def _replay_ms(graph, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    from timing import cuda_ms
+
+    def replays():
+        for _ in range(reps):
+            graph.replay()
+    return cuda_ms(replays) / reps
 
 
 def _tile(cfg) -> str:

@@ -40,6 +40,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_ops  # noqa: E402
 from engines import CONTRACTS, STOCK_EXTRA, stock_args  # noqa: E402
+from timing import cuda_ms  # noqa: E402
 from workloads import QWEN_SAMPLING  # noqa: E402
 
 VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1")
@@ -169,12 +170,7 @@ def phase(variant: str, model_path: str, a, workdir: str) -> dict:
             runner.synchronize()
             times = []
             for _ in range(20):
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                step()
-                t1.record()
-                t1.synchronize()
-                times.append(t0.elapsed_time(t1))
+                times.append(cuda_ms(step))
             row["step_ms"] = sorted(times)[len(times) // 2]
             row["host_ms"] = _host_split(runner, batch, state, torch)
             row["batch"], row["context"] = b, a.context

@@ -50,20 +50,14 @@ def main(argv=None) -> int:
     def run_patched():
         return token_logprobs(patched, ids)
 
-    def timed(fn):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        fn()
-        t1.record()
-        t1.synchronize()
-        return t0.elapsed_time(t1)
+    from timing import cuda_ms
 
     times = {"stock": [], "patched": []}
     with torch.no_grad():
         run_stock(), run_patched()  # warm-up: compiles every kernel form
         for _ in range(a.repeats):
-            times["stock"].append(timed(run_stock))
-            times["patched"].append(timed(run_patched))
+            times["stock"].append(cuda_ms(run_stock))
+            times["patched"].append(cuda_ms(run_patched))
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["patched"] / med["stock"]
     print(f"stock {med['stock']:.2f} ms, patched {med['patched']:.2f} ms, ratio {ratio:.2f} "

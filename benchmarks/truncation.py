@@ -25,6 +25,7 @@ import argparse
 import statistics
 
 import torch
+from timing import cuda_ms
 from true_on_policy.kernels.sampling import log_softmax_rows, sample, select_truncation, truncate
 from true_on_policy.kernels.truncation import BLOCK, NUM_WARPS, WAYS, truncate_select
 
@@ -33,15 +34,6 @@ SETTINGS = {"qwen": (20, 0.95, 0.0), "top_p": (-1, 0.9, 0.0), "min_p": (-1, 1.0,
 BUDGET_ROWS = 256
 BUDGET_FRACTION = 0.03  # issue 37: truncation may take at most 3 % of a batch-256 decode step
 STEP_FROM = "evidence/profile-flat-a3b48.json"
-
-
-def _time(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def _alternate(sides: dict, reps: int) -> dict:
@@ -53,7 +45,7 @@ def _alternate(sides: dict, reps: int) -> dict:
     order = list(sides)
     for i in range(reps):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(_time(sides[name]))
+            times[name].append(cuda_ms(sides[name]))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -133,7 +125,7 @@ def sweep(rows: int, setting: str, reps: int, scale: float) -> list[dict]:
         same = torch.equal(fn(), want)
         for _ in range(3):
             fn()
-        ms = statistics.median(_time(fn) for _ in range(reps))
+        ms = statistics.median(cuda_ms(fn) for _ in range(reps))
         out.append({"rows": rows, "setting": setting, "block": block, "ways": ways, "num_warps": warps,
                     "select_ms": ms, "same_bits": same})
         print(f"| {block} | {ways} | {warps} | {ms:.3f} | {same} |", flush=True)
