@@ -56,6 +56,16 @@ def _check_batch(sampling_info) -> None:
                          "refused it before scheduling")
 
 
+def truncates(sampling_info) -> bool:
+    """Whether the batch may hold a truncating row, from SGLang's host flags only (a decode step
+    reads nothing back from the GPU to decide): top_p < 1, min_p > 0, or a top_k in a batch that is
+    not all greedy (greedy rows carry top_k = 1 and never truncate). The flags are conservative
+    after a filter (SGLang keeps them), which costs a truncation pass, never a bit: an untruncated
+    row gives the same token and log-prob on either path."""
+    return bool(sampling_info.need_top_p_sampling or sampling_info.need_min_p_sampling
+                or (sampling_info.need_top_k_sampling and not sampling_info.is_all_greedy))
+
+
 def tpo_sampler_forward(self, logits_output, sampling_info, return_logprob, top_logprobs_nums,
                         token_ids_logprobs, positions):
     import torch
@@ -63,11 +73,8 @@ def tpo_sampler_forward(self, logits_output, sampling_info, return_logprob, top_
 
     _check_batch(sampling_info)
     logits = logits_output.next_token_logits
-    vocab = logits.shape[1]
     top_k = sampling_info.top_ks if sampling_info.need_top_k_sampling else None
-    truncating = bool(sampling_info.need_top_p_sampling or sampling_info.need_min_p_sampling)
-    if top_k is not None and not truncating:  # greedy rows set top_k = 1; only 1 < k < vocab truncates
-        truncating = bool(((top_k > 1) & (top_k < vocab)).any())
+    truncating = truncates(sampling_info)
     want_top = return_logprob and (any(x > 0 for x in top_logprobs_nums or ())
                                    or any(x is not None for x in token_ids_logprobs or ()))
     ids, lp, dist = sample(

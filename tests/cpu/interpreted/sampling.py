@@ -39,6 +39,13 @@ gi, glp, _ = sample(logits, 1.0, seeds, pos, top_k=1)
 assert torch.equal(gi, torch.argmax(logits, 1)), (gi, torch.argmax(logits, 1))
 assert torch.equal(glp, token_logprobs(logits, gi, 1.0))
 
+# a batch in which no row truncates (greedy rows, top_k 0 or >= vocab) gives the same ids and
+# log-probs on the truncating path as on the plain one: the sampler may take either from its host flags
+k_none = torch.tensor([1, 0, V, 1, 1000, 0])
+a_ids, a_lp, _ = sample(logits, temp, seeds, pos, top_k=k_none, truncating=False)
+b_ids, b_lp, _ = sample(logits, temp, seeds, pos, top_k=k_none, truncating=True)
+assert torch.equal(a_ids, b_ids) and torch.equal(a_lp, b_lp), (a_ids, b_ids, a_lp - b_lp)
+
 # truncation: same draw as the reference on logq; the report equals the trainer's function
 k = torch.tensor([5, 0, 3, 1, 136, 20])
 p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.3, 1.0])
