@@ -83,3 +83,37 @@ def test_trainer_training_step(tiny_cache, gpu_evidence):
     assert after < loss
     gpu_evidence.append({"test": "trainer_training_step", "loss_before": float(loss), "loss_after": float(after),
                          "params_with_grad": len(grads)})
+
+
+def _grad_rel_diff(model, ref) -> float:
+    """|g - g_ref| / |g_ref| over every parameter together."""
+    num = den = 0.0
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        gr = r.grad if r.grad is not None else torch.zeros_like(r)
+        num += float((g.double() - gr.double()).norm()) ** 2
+        den += float(gr.double().norm()) ** 2
+    return (num / den) ** 0.5
+
+
+def test_backward_forms_match_the_reference_backward(tiny_cache, gpu_evidence):
+    """The default backward (``trainer.grad_forms``: bf16 and grouped GEMMs, fused attention) and
+    the references' backward take the same gradient up to rounding: their difference is no larger
+    than a stock bf16 transformers trainer's own difference from the references' backward."""
+    from true_on_policy.harness.colocated_trainers import stock_token_logprobs
+
+    ids, mask = right_pad(_seqs(2, [40, 33, 12, 64]), "cuda")
+    models = {}
+    for variant in ("forms", "reference", "stock"):
+        m = models[variant] = _load("embedded")
+        if variant == "stock":
+            lp = stock_token_logprobs(m, ids, mask)
+        else:
+            patch_hf_model(m, backward=variant)
+            lp = token_logprobs(m, ids, mask)
+        (-(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
+    forms = _grad_rel_diff(models["forms"], models["reference"])
+    stock = _grad_rel_diff(models["stock"], models["reference"])
+    print(f"gradient |d|/|g_ref|: forms {forms:.3e}, stock transformers {stock:.3e}")
+    gpu_evidence.append({"test": "trainer_backward_forms", "forms_rel_diff": forms, "stock_rel_diff": stock})
+    assert 0 < forms <= stock, (forms, stock)

@@ -4,8 +4,9 @@
 accumulated in float64 and rounded at the contract's points -- the same calls, in the same
 order, as the Hugging Face trainer's CPU provider, so a Megatron TP1 forward is bitwise the
 patched HF model's (tests/cpu/test_megatron.py). ``triton`` (CUDA): the ``kernels/`` launchers
-(bitwise the rollout's), each wrapped so that the backward differentiates the reference,
-recomputed (``trainer.providers.ReferenceBackward``: parity is about the forward).
+(bitwise the rollout's), each wrapped so that the backward differentiates a plain-torch form of
+the same function, recomputed (``trainer.providers.ReferenceBackward``: parity is about the
+forward): ``trainer.grad_forms`` by default, the references with ``backward="reference"``.
 
 Sharded forms: a row-parallel GEMM returns this rank's fp32 subtree root over its V/t segments
 (``row_root``; ``comm.tree`` finishes it); the MoE block routes this rank's tokens, runs its
@@ -29,7 +30,8 @@ from true_on_policy.kernels import rope as _rope
 from true_on_policy.kernels import sampling as _smp
 from true_on_policy.kernels import tree_reduce as _tree
 from true_on_policy.megatron import comm
-from true_on_policy.trainer.providers import ReferenceBackward
+from true_on_policy.trainer import grad_forms as _gf
+from true_on_policy.trainer.providers import BACKWARDS, ReferenceBackward
 
 PROVIDERS = ("triton", "reference")
 F64 = torch.float64
@@ -77,6 +79,15 @@ def _moe_reference(acc, width, x_all, x_own, router_w, fc1, fc2, first, top_k, n
     return _moe.combine_reference(_own(e, x_own.shape[0], g.tok), w, x_own.dtype)
 
 
+def _moe_form(width, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
+    """``_moe_reference``'s function as the backward differentiates it: this rank's experts as
+    grouped GEMMs (``grad_forms.expert_slots``), the same collectives in the same order."""
+    w, ids = _moe.route_reference(_gf.linear(x_own, router_w), top_k, norm)
+    e = _gf.expert_slots(x_all, comm.gather_ids(ids, g.tok), fc1, fc2, first)
+    e = comm.moe_reduce(e, g.etp, g.ep, g.back)
+    return _moe.combine_reference(_own(e, x_own.shape[0], g.tok), w, x_own.dtype)
+
+
 def _own(e, rows, group):
     """This rank's rows of the MoE group's tokens (rank order, equal counts)."""
     if comm.world(group) == 1:
@@ -96,11 +107,15 @@ def _moe_triton(width, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
     return _moe.combine(e, torch.arange(e.shape[0], device=e.device).view(-1, top_k), w, x_own.dtype)
 
 
-def get(name: str, width: int) -> SimpleNamespace:
+def get(name: str, width: int, backward: str = "forms") -> SimpleNamespace:
     """The op set of provider ``name`` (``triton`` or ``reference``) at the contract's row-parallel
     tree width ``width``, bound here (``segments(group)``: a rank's share of it); the ops never read
-    the process's width."""
+    the process's width. ``backward``: what the triton provider's backward differentiates
+    (``trainer.providers.BACKWARDS``)."""
     width = _tree.resolve_width(width)
+    if backward not in BACKWARDS:
+        raise ValueError(f"unknown backward {backward!r}; supported: {', '.join(BACKWARDS)}")
+    forms = backward == "forms"
     if name == "reference":
         return SimpleNamespace(
             name=name, width=width, segments=lambda group: tree_segments(group, width),
@@ -124,31 +139,31 @@ def get(name: str, width: int) -> SimpleNamespace:
             return _att.attention_reference(q, k, v, *_att.contiguous_layout(b, s, q.device), scale)
 
         return SimpleNamespace(
-            name=name, width=width, segments=lambda group: tree_segments(group, width),
-            linear=_wrap(_mm.matmul, _mm.matmul_reference),
+            name=name, width=width, segments=lambda group: tree_segments(group, width), backward=backward,
+            linear=_wrap(_mm.matmul, _gf.linear if forms else _mm.matmul_reference),
             lm_head=_wrap(lambda x, w: _mm.matmul(x, w, torch.float32, role="lm_head"),
-                          lambda x, w: _mm.matmul_reference(x, w, torch.float32)),
+                          _gf.lm_head if forms else lambda x, w: _mm.matmul_reference(x, w, torch.float32)),
             row_root=_wrap(lambda x, w, s: _row_root(x, w, s, width),
-                           lambda x, w, s: _mm.matmul_reference(x, w, torch.float32, segments=s)),
+                           _gf.row_root if forms else lambda x, w, s: _mm.matmul_reference(x, w, torch.float32, segments=s)),
             rmsnorm=_wrap(_rms.rmsnorm, _rms.rmsnorm_reference),
             rope=_wrap(_rope.apply_rope, _rope.apply_rope_reference),
-            attention=_wrap(attention, attention_ref),
-            moe=partial(_moe_wrapped, width),
+            attention=_wrap(attention, _gf.attention if forms else attention_ref),
+            moe=partial(_moe_wrapped, width, _moe_form if forms else partial(_moe_reference, torch.float32)),
             logprobs=_wrap(lambda lg, tok, t: _lp.token_logprobs(lg, tok, t, validate=False),
                            _lp.token_logprobs_reference),
             truncated_logprobs=_wrap(_smp.truncated_token_logprobs, _smp.truncated_token_logprobs_reference))
     raise ValueError(f"unknown provider {name!r}; supported: {', '.join(PROVIDERS)}")
 
 
-def _moe_wrapped(width, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
-    """Triton forward, reference backward: the expert weights go in as separate tensors so that
-    autograd reaches megatron's per-expert parameters."""
+def _moe_wrapped(width, form, x_all, x_own, router_w, fc1, fc2, first, top_k, norm, g):
+    """Triton forward, ``form``'s backward (``_moe_form`` or the reference): the expert weights go
+    in as separate tensors so that autograd reaches megatron's per-expert parameters."""
     n = len(fc1)
 
     def fast(x_all, x_own, router_w, *ws):
         return _moe_triton(width, x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
 
     def ref(x_all, x_own, router_w, *ws):
-        return _moe_reference(torch.float32, width, x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
+        return form(width, x_all, x_own, router_w, ws[:n], ws[n:], first, top_k, norm, g)
 
     return _wrap(fast, ref)(x_all, x_own, router_w, *fc1, *fc2)

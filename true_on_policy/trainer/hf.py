@@ -112,16 +112,19 @@ def _lm_head_forward(self, x):
         *x.shape[:-1], -1)
 
 
-def patch_hf_model(model, contract: str | None = None, provider: str | None = None) -> Manifest:
+def patch_hf_model(model, contract: str | None = None, provider: str | None = None,
+                   backward: str = "forms") -> Manifest:
     """Route the model's forward through the contract's kernels. Idempotent: a second call with
     the same contract and provider returns the existing manifest. Raises ``TrainerPatchError``
     listing every problem, before touching the model, if the model is not covered. ``contract``:
-    a registered name; None is ``true_on_policy.DEFAULT_CONTRACT``, what the rollout runs by default."""
+    a registered name; None is ``true_on_policy.DEFAULT_CONTRACT``, what the rollout runs by default.
+    ``backward``: what the triton provider's backward differentiates (``providers.BACKWARDS``;
+    the forward does not depend on it)."""
     from true_on_policy import DEFAULT_CONTRACT
 
     c = get_contract(contract or DEFAULT_CONTRACT)  # unknown name -> error listing the known contracts
     provider = provider or ("triton" if next(model.parameters()).is_cuda else "reference")
-    ops = providers.get(provider, c.tree_width)  # the row-parallel GEMMs' tree width, bound to this model
+    ops = providers.get(provider, c.tree_width, backward)  # the row-parallel GEMMs' tree width, bound to this model
     problems = _check_model(model, c)
     if provider == "triton" and not next(model.parameters()).is_cuda:
         problems.append("provider 'triton' needs the model on a CUDA device (use provider='reference' on CPU)")
@@ -130,9 +133,9 @@ def patch_hf_model(model, contract: str | None = None, provider: str | None = No
                                 + "\n  - ".join(problems))
     state = getattr(model, _STATE, None)
     if state is not None:
-        if state["provider"] != provider or state["manifest"].contract != c.name:
-            raise TrainerPatchError(f"model already patched with {state['manifest'].contract}/{state['provider']}; "
-                                    "call unpatch_hf_model(model) first")
+        if (state["provider"], state["backward"], state["manifest"].contract) != (provider, backward, c.name):
+            raise TrainerPatchError(f"model already patched with {state['manifest'].contract}/{state['provider']}"
+                                    f"/backward={state['backward']}; call unpatch_hf_model(model) first")
         return state["manifest"]
     _register_attention(ops)
     cfg = model.config
@@ -162,8 +165,9 @@ def patch_hf_model(model, contract: str | None = None, provider: str | None = No
     put(model.lm_head, _lm_head_forward, "lm_head")
     manifest = Manifest(role="trainer:transformers", contract=c.name, fingerprint=c.fingerprint,
                         patches=[PatchRecord("trainer.hf_qwen3_moe", replaced,
-                                             [f"provider={provider}", f"attention={ATTENTION_NAME} (AttentionInterface)"])])
-    setattr(model, _STATE, {"provider": provider, "ops": ops, "manifest": manifest, "originals": originals})
+                                             [f"provider={provider}", f"backward={backward}",
+                                              f"attention={ATTENTION_NAME} (AttentionInterface)"])])
+    setattr(model, _STATE, {"provider": provider, "backward": backward, "ops": ops, "manifest": manifest, "originals": originals})
     return manifest
 
 

@@ -1,8 +1,10 @@
 """Numerical providers for the trainer: the same op set from the Triton kernels or from torch.
 
 ``triton`` (CUDA): the ``kernels/`` launchers the rollout side uses, wrapped in autograd
-functions whose backward differentiates the plain-torch reference (parity is about the
-forward; the gradient is the reference's, not the kernels'). ``reference`` (any device, the CPU
+functions whose backward differentiates a plain-torch form of the same function, recomputed
+(parity is about the forward): ``grad_forms`` (bf16 GEMMs, grouped expert GEMMs, fused attention;
+the default) or the kernels' references (``backward="reference"``: fp32 operand copies, loops over
+experts and sequences; slower, for comparison). ``reference`` (any device, the CPU
 tier): the kernels' own references with every reduction accumulated in float64 (``acc``) and
 rounded at the contract's points, so row results do not depend on CPU BLAS blocking
 (batch/padding invariant).
@@ -24,8 +26,10 @@ from true_on_policy.kernels import rmsnorm as _rms
 from true_on_policy.kernels import rope as _rope
 from true_on_policy.kernels import sampling as _smp
 from true_on_policy.kernels import tree_reduce as _tree
+from true_on_policy.trainer import grad_forms as _gf
 
 PROVIDERS = ("triton", "reference")
+BACKWARDS = ("forms", "reference")  # what the triton provider differentiates
 
 
 class ReferenceBackward(torch.autograd.Function):
@@ -83,11 +87,15 @@ def _lm_head_reference(x, w):
     return _mm.matmul_reference(x, w, torch.float32)
 
 
-def get(name: str, width: int) -> SimpleNamespace:
+def get(name: str, width: int, backward: str = "forms") -> SimpleNamespace:
     """The op set of provider ``name`` (``triton`` or ``reference``) at the contract's row-parallel
     tree width ``width`` (o_proj and the MoE down projection; ``kernels/tree_reduce``), bound here:
-    the ops never read the process's width, so models patched under different contracts coexist."""
+    the ops never read the process's width, so models patched under different contracts coexist.
+    ``backward``: what the triton provider's backward differentiates (``BACKWARDS``); the forward,
+    and so parity, does not depend on it."""
     width = _tree.resolve_width(width)
+    if backward not in BACKWARDS:
+        raise ValueError(f"unknown backward {backward!r}; supported: {', '.join(BACKWARDS)}")
     if name == "reference":
         return SimpleNamespace(
             name=name, width=width,
@@ -102,15 +110,17 @@ def get(name: str, width: int) -> SimpleNamespace:
             truncated_logprobs=lambda lg, tok, t, k, p, mp: _smp.truncated_token_logprobs_reference(
                 lg, tok, t, k, p, mp, acc=F64))
     if name == "triton":
+        forms = backward == "forms"
         return SimpleNamespace(
-            name=name, width=width,
-            linear=_op(_mm.matmul, _mm.matmul_reference),
-            lm_head=_op(_lm_head, _lm_head_reference),
-            row_linear=_op(partial(_tree.row_linear, width=width), partial(_tree.row_linear_reference, width=width)),
+            name=name, width=width, backward=backward,
+            linear=_op(_mm.matmul, _gf.linear if forms else _mm.matmul_reference),
+            lm_head=_op(_lm_head, _gf.lm_head if forms else _lm_head_reference),
+            row_linear=_op(partial(_tree.row_linear, width=width),
+                           _gf.row_linear if forms else partial(_tree.row_linear_reference, width=width)),
             rmsnorm=_op(_rms.rmsnorm, _rms.rmsnorm_reference),
             rope=_op(_rope.apply_rope, _rope.apply_rope_reference),
-            attention=_op(_triton_attention, _ref_attention),
-            moe=_op(partial(_moe.moe, width=width), partial(_moe.moe_reference, width=width)),
+            attention=_op(_triton_attention, _gf.attention if forms else _ref_attention),
+            moe=_op(partial(_moe.moe, width=width), partial(_gf.moe if forms else _moe.moe_reference, width=width)),
             logprobs=_op(lambda lg, tok, t: _lp.token_logprobs(lg, tok, t, validate=False),
                          _lp.token_logprobs_reference),
             truncated_logprobs=_op(_smp.truncated_token_logprobs, _smp.truncated_token_logprobs_reference))
