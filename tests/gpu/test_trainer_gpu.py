@@ -59,12 +59,12 @@ def test_trainer_triton_accuracy_invariance_no_cublas(geometry, tiny_cache, gpu_
     gemm = sorted(o for o in ops if o in GEMM_OPS or "gemm" in o.lower() or "cublas" in o.lower()
                   or "cutlass" in o.lower())
     assert not gemm, f"cuBLAS/aten GEMMs in the patched forward: {gemm}"
-    assert any("_matmul_kernel" in o for o in ops), "our tree GEMM kernel did not run"
-    assert any("_matmul_tma_kernel" in o for o in ops), "our TMA GEMM kernel did not run"
+    ours = sorted(o for o in ops if "_matmul" in o and "kernel" in o)  # which ones: the contract's tree width
+    assert ours, "none of our GEMM kernels ran"
     gpu_evidence.append({"test": f"trainer_triton_{geometry}", "mean_abs_vs_f64": float(d64.mean()),
                          "max_abs_vs_f64": float(d64.max()), "mean_abs_vs_stock_bf16": float(dstock.mean()),
                          "stock_mean_abs_vs_f64": float((stock - f64).abs()[valid].mean()),
-                         "padding_and_micro_batch_bitwise": True, "gemm_ops_in_forward": gemm,
+                         "padding_and_micro_batch_bitwise": True, "gemm_ops_in_forward": gemm, "our_gemm_kernels": ours,
                          "tokens": int(valid.sum())})
 
 
