@@ -33,14 +33,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape]
     import torch
+    from timing import cuda_ms
     from transformers import AutoModelForCausalLM
 
     from true_on_policy import DEFAULT_CONTRACT, tiny_model
     from true_on_policy.harness.colocated_trainers import stock_token_logprobs
     from true_on_policy.harness.provenance import provenance, write_evidence
     from true_on_policy.trainer import patch_hf_model, token_logprobs
-
-    from timing import cuda_ms
 
     prov = provenance(None if argv is None else ["python", "benchmarks/trainer_backward.py", *argv])
     path = a.model_path or tiny_model.ensure(a.geometry)
@@ -67,11 +66,11 @@ def main(argv=None) -> int:
             step(v, ids)  # warm-up: compiles every kernel form
         for _ in range(a.repeats):
             for v in VARIANTS:
-                times[v].append(cuda_ms(lambda v=v: step(v, ids)))
+                times[v].append(cuda_ms(lambda v=v, ids=ids: step(v, ids)))
         med = {v: statistics.median(t) for v, t in times.items()}
         grads = {v: dict(models[v].named_parameters()) for v in VARIANTS}
 
-        def rel(v):
+        def rel(v, grads=grads):
             num = den = 0.0
             worst = (0.0, None)
             for name, ref in grads["reference"].items():

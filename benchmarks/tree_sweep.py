@@ -77,10 +77,10 @@ def run(tokens, gemms=("down", "gate_up")):
         for gemm in gemms:
             if gemm == "down":
                 cands = [("ROW", mm.ROW, False)] + [("flat", c, True) for c in CANDIDATES]
-                a, w, a_idx, n, k, seg, segments, touched = h, w2, own, H, INTER, INTER // 8, 8, n_touched * H * INTER * 2
+                a, w, a_idx, n, _k, seg, segments, touched = h, w2, own, H, INTER, INTER // 8, 8, n_touched * H * INTER * 2
             else:
                 cands = [("COLUMN", mm.COLUMN, False)] + [("flat" if f else "plain", c, f) for c, f in UP_CANDIDATES]
-                a, w, a_idx, n, k, seg, segments, touched = x, w13, rows, 2 * INTER, H, H, 1, n_touched * 2 * INTER * H * 2
+                a, w, a_idx, n, _k, seg, segments, touched = x, w13, rows, 2 * INTER, H, H, 1, n_touched * 2 * INTER * H * 2
             ref = None
             for name, cfg, flat in cands:
                 if mm.ALIGN % cfg["BLOCK_M"] or (flat and seg % cfg["BLOCK_K"]):
@@ -91,7 +91,7 @@ def run(tokens, gemms=("down", "gate_up")):
                                   device="cuda")
 
                 def launch(cfg=cfg, flat=flat, bexp=bexp, out=out, a=a, w=w, a_idx=a_idx, n=n, seg=seg,
-                           segments=segments):
+                           segments=segments, rows=rows):
                     grid = (triton.cdiv(rows.shape[0], cfg["BLOCK_M"]),
                             triton.cdiv(n, cfg["BLOCK_N"] * cfg.get("N_GROUP", 1)), 1)
                     mm._matmul_kernel[grid](a, w, out, a_idx, bexp, rows.shape[0], n, seg, a.stride(0), a.stride(1),

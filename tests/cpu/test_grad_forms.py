@@ -6,10 +6,10 @@ op sets bind the forms by default and the references on request, with the same f
 
 import pytest
 import torch
-
 from true_on_policy.kernels import attention as att
 from true_on_policy.kernels import matmul as mm
 from true_on_policy.kernels import moe as moe_k
+
 from true_on_policy.trainer import grad_forms as gf
 from true_on_policy.trainer import providers
 

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from true_on_policy.patches import sampler as seam
 
 FLAGS = ("need_top_p_sampling", "need_min_p_sampling", "need_top_k_sampling", "is_all_greedy")

@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 from safetensors.torch import save_file
+from true_on_policy.patches import weight_updates as wu
 
 from true_on_policy.contract import checkpoint
-from true_on_policy.patches import weight_updates as wu
 
 CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 8,
        "moe_intermediate_size": 4, "num_hidden_layers": 1, "vocab_size": 16}

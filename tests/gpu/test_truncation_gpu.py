@@ -53,7 +53,6 @@ SETTINGS = [(50, 0.9, 0.05), (-1, 0.9, 0.0), (20, 0.95, 0.0), (5, 1.0, 0.0), (-1
 @pytest.mark.parametrize("temp", [1.0, 0.7])
 def test_truncated_row_alone_equals_row_in_any_batch_and_the_trainer(kind, others, temp, gpu_evidence):
     import torch
-
     from true_on_policy.kernels.sampling import sample, truncated_token_logprobs
 
     checked = 0
@@ -96,7 +95,6 @@ def test_truncated_row_alone_equals_row_in_any_batch_and_the_trainer(kind, other
 
 def test_an_untruncated_row_is_the_same_with_or_without_truncating_neighbours():
     import torch
-
     from true_on_policy.kernels.sampling import sample
 
     row = _logits("flat", 1, 5)
@@ -119,7 +117,6 @@ def test_an_untruncated_row_is_the_same_with_or_without_truncating_neighbours():
 
 def test_top_p_cut_between_its_fp32_and_fp64_values_on_the_gpu():
     import torch
-
     from true_on_policy.kernels.sampling import truncate
 
     p = torch.tensor([0.8999999881] + [(1 - 0.8999999881) / 5] * 5, dtype=torch.float64)
