@@ -106,3 +106,28 @@ def test_op_sets_bind_the_forms_by_default_and_the_references_on_request():
     assert ops.get("triton", 1).backward == "forms" and ops.get("triton", 8, backward="reference").backward == "reference"
     with pytest.raises(ValueError, match="unknown backward"):
         ops.get("triton", 1, backward="fast")
+
+
+@pytest.mark.parametrize("first", [0, 2])
+def test_megatron_moe_form_matches_its_reference_at_one_rank(first):
+    """Megatron's MoE as its backward differentiates it (``megatron.ops._moe_form``: per-expert weight
+    lists, this rank's experts from ``first``) against ``_moe_reference`` in float64: the same value and
+    the same gradient for the tokens, the router and every expert's weights."""
+    from types import SimpleNamespace
+
+    from true_on_policy.megatron import ops
+
+    t, h, i, n_local, top_k = 8, 16, 8, 4, 2
+    g = SimpleNamespace(tok=None, etp=None, ep=None, back=None)
+    x, router_w = _leaves((t, h), (first + n_local, h), seed=5)
+    fc1 = _leaves(*[(2 * i, h)] * n_local, seed=6)
+    fc2 = _leaves(*[(h, i)] * n_local, seed=7)
+    leaves = [x, router_w, *fc1, *fc2]
+
+    def call(fn, acc=None):
+        def run(x, r, *ws):
+            args = (1, x, x, r, list(ws[:n_local]), list(ws[n_local:]), first, top_k, True, g)
+            return fn(acc, *args) if acc is not None else fn(*args)
+        return run
+
+    _check(call(ops._moe_form), call(ops._moe_reference, F64), leaves)
