@@ -196,6 +196,7 @@ def test_the_evidence_is_written_whole_with_provenance(no_ray_get, tmp_path, mon
     (["--num-gpus", "0"], "--num-gpus 0"),
     (["--stock", "--trainer", "megatron"], "--trainer hf"),
     (["--trainer", "jax"], "invalid choice"),
+    (["--backward", "fast"], "invalid choice: 'fast'"),
 ])
 def test_bad_arguments_are_refused_before_ray_or_a_gpu(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(colocated, "run", lambda a: pytest.fail("the loop started"))
@@ -207,7 +208,7 @@ def test_bad_arguments_are_refused_before_ray_or_a_gpu(tmp_path, monkeypatch, ca
 
 def test_the_defaults_are_the_issues_loop():
     a = colocated.parse(["--out", "x.json"])
-    assert (a.trainer, a.steps, a.group, a.num_gpus, a.stock) == ("hf", 100, 4, 0.5, False)
+    assert (a.trainer, a.steps, a.group, a.num_gpus, a.stock, a.backward) == ("hf", 100, 4, 0.5, False, "forms")
 
 
 @pytest.mark.parametrize("ids, visible, want", [([0], "", 0), (["3"], None, 3), (["3"], "2,3", 1), ([1], "1", 0)])

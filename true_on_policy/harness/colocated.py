@@ -4,7 +4,7 @@ the same GPU; they take turns.
 
     python -m true_on_policy.harness.colocated [--trainer hf|megatron] [--geometry embedded|a3b6|...] \\
         [--steps 100] [--prompts 4] [--group 4] [--new-tokens 32] [--lr 1e-4] [--contract NAME] \\
-        [--stock [--stock-steps 20]] --out OUT.json
+        [--backward forms|reference] [--stock [--stock-steps 20]] --out OUT.json
 
 Before the first step the handshake (``check_rollout``) compares the trainer's contract with every
 rollout process's manifest. Step s:
@@ -228,7 +228,7 @@ def _one_loop(a, model_path: str, contract, stock: bool) -> dict:
         device = torch.device("cuda", driver_device(ray.get(actor.gpu_ids.remote(), timeout=900)))  # started
         torch.cuda.set_device(device)
         rollout = Rollout(actor)
-        trainer = ct.make(a.trainer, model_path, None if stock else contract.name, a.lr, device)
+        trainer = ct.make(a.trainer, model_path, None if stock else contract.name, a.lr, device, a.backward)
         if not stock:
             trainer.handshake(actor)
         inputs = group_inputs(a.prompts, a.group, trainer.vocab_size, a.seed)
@@ -261,6 +261,7 @@ def run(a) -> dict:
             ray.shutdown()
     return {"contract": contract.name, "fingerprint": contract.fingerprint, "trainer": a.trainer,
             "model_path": model_path, "geometry": None if a.model_path else a.geometry, "steps": a.steps,
+            "trainer_backward": a.backward,
             "prompts": a.prompts, "group": a.group, "new_tokens": a.new_tokens, "lr": a.lr, "seed": a.seed,
             "rollout_num_gpus": a.num_gpus, "mem_fraction_static": a.mem, "tpo": tpo, "stock": stock,
             "cost_per_step": cost_per_step(tpo["step_time_s"], stock and stock["step_time_s"])}
@@ -279,6 +280,8 @@ def worker_env() -> dict:
 
 
 def parse(argv=None):
+    from true_on_policy.trainer.providers import BACKWARDS
+
     p = argparse.ArgumentParser(prog="python -m true_on_policy.harness.colocated", description=__doc__.split("\n")[0])
     p.add_argument("--trainer", choices=("hf", "megatron"), default="hf")
     p.add_argument("--geometry", default="embedded")
@@ -292,6 +295,8 @@ def parse(argv=None):
     p.add_argument("--mem", type=float, default=0.3, help="the engine's mem_fraction_static")
     p.add_argument("--num-gpus", type=float, default=0.5, help="the rollout actor's share of the GPU (Ray)")
     p.add_argument("--contract", help="default: true_on_policy.DEFAULT_CONTRACT")
+    p.add_argument("--backward", choices=BACKWARDS, default="forms",
+                   help="what the patched trainer's backward differentiates (true_on_policy.trainer.providers)")
     p.add_argument("--stock", action="store_true", help="then the same loop with stock SGLang and stock transformers")
     p.add_argument("--stock-steps", type=int, default=20)
     p.add_argument("--out", required=True)

@@ -1,6 +1,6 @@
 """The trainers of the colocated loop (``harness/colocated.py``), one interface:
 
-    t = make("hf" | "megatron", model_path, contract or None (stock), lr, device)
+    t = make("hf" | "megatron", model_path, contract or None (stock), lr, device, backward="forms")
     lp = t.logprobs(inputs, outs)      # [B, S-1] fp32 log-probs of the right-padded prompt + sample rows
     t.step(loss)                       # backward, one AdamW step, gradients dropped
     t.named_tensors()                  # [(checkpoint name, CUDA tensor)] for update_weights_from_tensor
@@ -41,7 +41,7 @@ def stock_token_logprobs(model, ids, mask, temperature: float = T):
 
 
 class HFTrainer:
-    def __init__(self, model_path: str, contract: str | None, lr: float, device):
+    def __init__(self, model_path: str, contract: str | None, lr: float, device, backward: str = "forms"):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -50,7 +50,7 @@ class HFTrainer:
         if contract is not None:
             from true_on_policy.trainer import patch_hf_model
 
-            patch_hf_model(self.model, contract)
+            patch_hf_model(self.model, contract, backward=backward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.vocab_size = self.model.config.vocab_size
@@ -91,7 +91,7 @@ class HFTrainer:
 
 
 class MegatronTrainer:
-    def __init__(self, model_path: str, contract: str | None, lr: float, device):
+    def __init__(self, model_path: str, contract: str | None, lr: float, device, backward: str = "forms"):
         import glob
 
         import torch
@@ -115,7 +115,7 @@ class MegatronTrainer:
             state.update({k: v.to(device) for k, v in load_file(f).items()})
         tm.load_hf(self.model, state)
         del state
-        tm.patch_megatron_model(self.model, contract)
+        tm.patch_megatron_model(self.model, contract, backward=backward)
         self.model.eval()  # as the GPU parity test ran it; gradients flow in eval mode too
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.weight_bytes = sum(t.numel() * t.element_size() for _, t in tm.sglang_named_tensors(self.model))
@@ -168,9 +168,9 @@ class MegatronTrainer:
 TRAINERS = {"hf": HFTrainer, "megatron": MegatronTrainer}
 
 
-def make(name: str, model_path: str, contract: str | None, lr: float, device):
+def make(name: str, model_path: str, contract: str | None, lr: float, device, backward: str = "forms"):
     try:
         cls = TRAINERS[name]
     except KeyError:
         raise ValueError(f"unknown trainer {name!r}; known: {', '.join(TRAINERS)}") from None
-    return cls(model_path, contract, lr, device)
+    return cls(model_path, contract, lr, device, backward)

@@ -115,12 +115,14 @@ def _wider(degree: int) -> str:
 
 
 def patch_megatron_model(model, contract: str | None = None, provider: str | None = None,
-                         sequence_parallel: bool | None = None) -> dict:
+                         sequence_parallel: bool | None = None, backward: str = "forms") -> dict:
     """Route ``model`` (a ``config.build_model`` GPTModel) through the contract's kernels.
     Idempotent; raises ``MegatronLayoutError`` listing every problem before touching the model.
     Returns the record of what was replaced (contract, fingerprint, provider, layout). ``contract``:
     None is ``true_on_policy.DEFAULT_CONTRACT`` (the flat one: TP and expert-TP 1; at 2, 4 or 8 name
-    qwen3_moe_true_on_policy_v1, whose tree those degrees split; the refusal says so)."""
+    qwen3_moe_true_on_policy_v1, whose tree those degrees split; the refusal says so). ``backward``: what
+    the triton provider's backward differentiates (``trainer.providers.BACKWARDS``; the forward does not
+    depend on it)."""
     from true_on_policy import DEFAULT_CONTRACT
 
     c = get_contract(contract or DEFAULT_CONTRACT)
@@ -137,9 +139,9 @@ def patch_megatron_model(model, contract: str | None = None, provider: str | Non
         raise config.MegatronLayoutError("patch_megatron_model refused:\n  - " + "\n  - ".join(problems))
     state = getattr(model, _STATE, None)
     if state is not None:
-        if state.provider != provider or state.record["contract"] != c.name:
-            raise TrainerPatchError(f"model already patched with {state.record['contract']}/{state.provider}; "
-                                    "call unpatch_megatron_model(model) first")
+        if (state.provider, state.record["backward"], state.record["contract"]) != (provider, backward, c.name):
+            raise TrainerPatchError(f"model already patched with {state.record['contract']}/{state.provider}"
+                                    f"/backward={state.record['backward']}; call unpatch_megatron_model(model) first")
         return state.record
     sp = model.true_on_policy_sequence_parallel if sequence_parallel is None else sequence_parallel
     groups, stage = comm.Groups.from_parallel_state(sp), pipeline.Stage.from_parallel_state()
@@ -151,7 +153,7 @@ def patch_megatron_model(model, contract: str | None = None, provider: str | Non
     if narrow:
         raise config.MegatronLayoutError("patch_megatron_model refused:\n  - " + "\n  - ".join(narrow))
     record = {"role": "trainer:megatron-core", "contract": c.name, "fingerprint": c.fingerprint,
-              "provider": provider, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
+              "provider": provider, "backward": backward, "layout": {"tp": comm.world(groups.tp), "ep": comm.world(groups.ep),
                                                "etp": comm.world(groups.etp), "sequence_parallel": sp,
                                                "pp": comm.world(stage.group),
                                                "stage_layers": list(getattr(model, "true_on_policy_stage", ()))},
@@ -159,7 +161,7 @@ def patch_megatron_model(model, contract: str | None = None, provider: str | Non
                            "true_on_policy.megatron.forward._forward"]}
     had = "forward" in model.__dict__
     setattr(model, _STATE, types.SimpleNamespace(
-        ops=ops.get(provider, c.tree_width), provider=provider, groups=groups, stage=stage, f=f, record=record, original=(had, model.__dict__.get("forward")),
+        ops=ops.get(provider, c.tree_width, backward), provider=provider, groups=groups, stage=stage, f=f, record=record, original=(had, model.__dict__.get("forward")),
         scaling=_rope.rope_scaling(f["rope"], f["max_positions"]), contract=c))
     model.forward = types.MethodType(_forward, model)
     return record
