@@ -205,13 +205,15 @@ case $GROUP in
     # 30B-A3B layer shape with 6 layers: 100 steps with the HF trainer; 20 with the Megatron-core trainer (TP1); the
     # per-step cost: 20 HF steps, then 20 with stock SGLang and stock transformers in the same run; the Ray, Megatron and
     # colocated GPU tests. Needs Ray and megatron-core (tests/gpu/extra-requirements.txt).
-    # PART=hf|megatron|cost|tests runs one line (one device call each)
+    # PART=hf|megatron|cost|backward|tests runs one line (one device call each)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
     C="python3 -m true_on_policy.harness.colocated --geometry a3b6"
     part hf && run $C --trainer hf --steps 100 --out "$E/colocated-hf-a3b6.json"
     part megatron && run $C --trainer megatron --steps 20 --out "$E/colocated-megatron-a3b6.json"
     part cost && run $C --trainer hf --steps 20 --stock --stock-steps 20 --out "$E/colocated-cost-a3b6.json"
+    part backward && run env PYTHONPATH=.:benchmarks:${PYTHONPATH:-} python3 benchmarks/trainer_backward.py --geometry a3b6 \
+      --shape 16x96 4x1024 --repeats 3 --out "$E/trainer-backward-a3b6.json"
     part tests && run tier gpu-tier-colocated tests/gpu/test_ray_gpu.py tests/gpu/test_megatron_gpu.py \
       tests/gpu/test_colocated_gpu.py ;;
   parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|truncselect|all) ;;
