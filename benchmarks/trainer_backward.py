@@ -22,6 +22,26 @@ import sys
 VARIANTS = ("stock", "forms", "reference")
 
 
+def grad_rel_diff(model, ref) -> dict:
+    """How far ``model``'s gradients are from ``ref``'s (same architecture): |g - g_ref| / |g_ref|
+    over every parameter together (``all``) and the worst single parameter (``worst``, ``worst_param``);
+    a parameter without a gradient counts as zero."""
+    import torch
+
+    num = den = 0.0
+    worst = (0.0, None)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if p.grad is None and r.grad is None:
+            continue
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        gr = torch.zeros_like(r) if r.grad is None else r.grad
+        d, n = float((g.double() - gr.double()).norm()), float(gr.double().norm())
+        num, den = num + d * d, den + n * n
+        if n > 0 and d / n > worst[0]:
+            worst = (d / n, name)
+    return {"all": (num / den) ** 0.5, "worst": worst[0], "worst_param": worst[1]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--geometry", default="a3b6")
@@ -68,24 +88,8 @@ def main(argv=None) -> int:
             for v in VARIANTS:
                 times[v].append(cuda_ms(lambda v=v, ids=ids: step(v, ids)))
         med = {v: statistics.median(t) for v, t in times.items()}
-        grads = {v: dict(models[v].named_parameters()) for v in VARIANTS}
 
-        def rel(v, grads=grads):
-            num = den = 0.0
-            worst = (0.0, None)
-            for name, ref in grads["reference"].items():
-                gr, gv = ref.grad, grads[v][name].grad
-                if gr is None and gv is None:
-                    continue
-                gr = torch.zeros_like(ref) if gr is None else gr
-                gv = torch.zeros_like(ref) if gv is None else gv
-                d, n = float((gv.double() - gr.double()).norm()), float(gr.double().norm())
-                num, den = num + d * d, den + n * n
-                if n > 0 and d / n > worst[0]:
-                    worst = (d / n, name)
-            return {"all": (num ** 0.5) / (den ** 0.5), "worst": worst[0], "worst_param": worst[1]}
-
-        gdiff = {v: rel(v) for v in ("stock", "forms")}
+        gdiff = {v: grad_rel_diff(models[v], models["reference"]) for v in ("stock", "forms")}
         results.append({"rows": rows, "tokens": tokens, "ms": times, "median_ms": med,
                         "forms_over_reference": med["forms"] / med["reference"],
                         "forms_over_stock": med["forms"] / med["stock"], "reference_over_stock": med["reference"] / med["stock"],

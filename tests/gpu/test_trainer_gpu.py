@@ -1,6 +1,9 @@
 """Trainer side on the GPU (Triton provider): close to float64 and to stock transformers,
 bitwise padding/micro-batch invariance, no cuBLAS GEMM in the profiled forward, one training step."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,6 +12,7 @@ from true_on_policy import tiny_model
 from true_on_policy.trainer import patch_hf_model, right_pad, token_logprobs
 
 pytestmark = pytest.mark.gpu
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/trainer_backward.py
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_grouped_mm",
             "aten::baddbmm", "aten::einsum")
 
@@ -85,21 +89,12 @@ def test_trainer_training_step(tiny_cache, gpu_evidence):
                          "params_with_grad": len(grads)})
 
 
-def _grad_rel_diff(model, ref) -> float:
-    """|g - g_ref| / |g_ref| over every parameter together."""
-    num = den = 0.0
-    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        gr = r.grad if r.grad is not None else torch.zeros_like(r)
-        num += float((g.double() - gr.double()).norm()) ** 2
-        den += float(gr.double().norm()) ** 2
-    return (num / den) ** 0.5
-
-
 def test_backward_forms_match_the_reference_backward(tiny_cache, gpu_evidence):
     """The default backward (``trainer.grad_forms``: bf16 and grouped GEMMs, fused attention) and
     the references' backward take the same gradient up to rounding: their difference is no larger
     than a stock bf16 transformers trainer's own difference from the references' backward."""
+    from trainer_backward import grad_rel_diff
+
     from true_on_policy.harness.colocated_trainers import stock_token_logprobs
 
     ids, mask = right_pad(_seqs(2, [40, 33, 12, 64]), "cuda")
@@ -112,8 +107,8 @@ def test_backward_forms_match_the_reference_backward(tiny_cache, gpu_evidence):
             patch_hf_model(m, backward=variant)
             lp = token_logprobs(m, ids, mask)
         (-(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
-    forms = _grad_rel_diff(models["forms"], models["reference"])
-    stock = _grad_rel_diff(models["stock"], models["reference"])
+    forms = grad_rel_diff(models["forms"], models["reference"])["all"]
+    stock = grad_rel_diff(models["stock"], models["reference"])["all"]
     print(f"gradient |d|/|g_ref|: forms {forms:.3e}, stock transformers {stock:.3e}")
     gpu_evidence.append({"test": "trainer_backward_forms", "forms_rel_diff": forms, "stock_rel_diff": stock})
     assert 0 < forms <= stock, (forms, stock)

@@ -38,7 +38,7 @@ def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear(x, w, torch.float32)
 
 
-def row_linear(x: torch.Tensor, w: torch.Tensor, segments: int | None = None) -> torch.Tensor:
+def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The row-parallel GEMM of any tree width (the width changes no value beyond rounding)."""
     return linear(x, w)
 
