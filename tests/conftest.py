@@ -5,6 +5,7 @@ Run the CPU tier: ``pytest -m "not gpu"``; the GPU tier: ``pytest -m gpu`` (see 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -108,8 +109,26 @@ def gpu_evidence():
     yield _TIER["records"]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, on the controller: keep what a worker's tests recorded (its ``workeroutput``)."""
+    part = getattr(node, "workeroutput", {}).get("true_on_policy_gpu_tier")
+    if part:
+        _TIER.setdefault("parts", []).append(json.loads(part))
+
+
 def pytest_sessionfinish(session, exitstatus):
-    records = _TIER["records"]
+    """Write the GPU tier's file. Under pytest-xdist (``-n N``: the kernel groups compile in
+    parallel) each worker hands its records and provenance to the controller, which sees every
+    test's outcome and writes the one file (records in the order the workers finished, provenance of the first)."""
+    if hasattr(session.config, "workerinput"):
+        if _TIER["records"]:
+            session.config.workeroutput["true_on_policy_gpu_tier"] = json.dumps(
+                {"records": _TIER["records"], "provenance": _TIER["provenance"]}, default=str)
+        return
+    parts = _TIER.get("parts", [])
+    records = _TIER["records"] or [r for p in parts for r in p["records"]]
+    prov = _TIER["provenance"] or (parts[0]["provenance"] if parts else None)
     if not records:
         return
     from true_on_policy import env
@@ -119,4 +138,4 @@ def pytest_sessionfinish(session, exitstatus):
     write_evidence(folder / "gpu-tier.json", {
         "schema": "true_on_policy.gpu_tier/3", "records": records,
         "tests": tier_summary(_TIER["outcomes"], exitstatus),
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, _TIER["provenance"])
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, prov)

@@ -2,9 +2,9 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | truncselect | tp2 | pp2 (two GPUs
-#        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile
-#        and truncselect)
+#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect | tp2 | pp2 (two GPUs
+#        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
+#        decodetiles and truncselect)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -20,7 +20,10 @@ P="python3 -m true_on_policy.harness.parity --prompts 64 --new-tokens 64"
 # the files without "flat" or "pg" in their names hold the tree-width-8 contract, the default until 2026-12-01:
 # named here, so that they regenerate as they were made (the flat contract is the default now)
 V1="--contract qwen3_moe_true_on_policy_v1"
-tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider "$@"; }
+# XDIST=N: the tier's tests in N pytest-xdist workers on the one GPU (the kernel groups are bound by Triton's
+# compiles, which then run in parallel); the controller writes the one gpu-tier.json
+tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider \
+  ${XDIST:+-n "$XDIST"} "$@"; }
 rc=0
 run() { "$@" || { rc=1; echo "FAILED: $*"; }; }
 case $GROUP in
@@ -170,6 +173,12 @@ case $GROUP in
           --out "$E/profile-tail-$g${PROFILE_TAG:+-$PROFILE_TAG}.json"
       fi
     done ;;
+  decodetiles)  # issue 37: every decode tile bitwise the fixed path (plain, grouped and tree GEMMs, three geometries, 1 to
+    # 4096 rows), then the decode tiles against the fixed ones, alternated, bits checked: what decides
+    # kernels.matmul.DECODE_TILES (XDIST=8 runs the tests in 8 workers)
+    run tier gpu-tier-decode-tiles tests/gpu/test_kernels_gpu.py \
+      -k "decode_tiles or tma or grouped or moe or width_1 or seg_tree or split_planes or tree_flat"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json" ;;&
   truncselect)  # issue 37: the selection kernel against the sort, bitwise (truncate; sample and the trainer with the
     # switch on and off at batches 1-256; a CUDA-graph replay of sample with it on), then its speed alone and in sample,
     # and the fraction of a batch-256 decode step it takes: what decides kernels.sampling.SELECT_ON_CUDA
