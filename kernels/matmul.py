@@ -343,10 +343,11 @@ def expert_groups(slots: int, experts: int) -> tuple[int, int]:
 
 
 # Whether decode row counts take decode_tile's tiles (and the grouped GEMMs their used-blocks launch);
-# off: the fixed tiles and tables above, with their launch. It may be on by default only with the GPU
-# tier's evidence that every candidate tile is bitwise the pointer kernel (tests/gpu/test_kernels_gpu.py)
-# and benchmarks/decode_tiles.py's evidence that it is faster, both at the commit that turns it on.
-DECODE_TILES = False
+# off: the fixed tiles and tables above, with their launch. On by default only with the GPU tier's
+# evidence that every candidate tile is bitwise the pointer kernel (tests/gpu/test_kernels_gpu.py,
+# evidence/gpu-tier-decode-tiles) and benchmarks/decode_tiles.py's that it is faster
+# (evidence/bench-decode-tiles.json), both at the commit that sets it.
+DECODE_TILES = True
 
 
 def tma_tiles(role: str, rows: int, n: int, k: int, sms: int) -> dict:

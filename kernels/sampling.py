@@ -51,9 +51,10 @@ _U_SCALE = 2.0 ** -32
 ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are row-independent)
 # ``truncate`` on CUDA tensors runs the selection kernel (``kernels/truncation.py``) instead of the
 # sort. Either gives the same bits (proof: that module's docstring), so the switch is speed only and
-# a rollout and a trainer may differ in it; off until the GPU tier (test_truncation_select_gpu.py)
-# has checked the kernel on the GPU. Changed only through ``select_truncation``.
-SELECT_ON_CUDA = False
+# a rollout and a trainer may differ in it; on by default only with the GPU tier's check of the kernel
+# on the GPU (test_truncation_select_gpu.py, evidence/gpu-tier-truncselect) at the commit that sets it.
+# Changed only through ``select_truncation``.
+SELECT_ON_CUDA = True
 _SELECT_ANYWHERE = False  # select_truncation(force=True): the kernel on every device (the CPU tier)
 
 
