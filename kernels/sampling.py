@@ -54,7 +54,7 @@ ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are
 # a rollout and a trainer may differ in it; on by default only with the GPU tier's check of the kernel
 # on the GPU (test_truncation_select_gpu.py, evidence/gpu-tier-truncselect) at the commit that sets it.
 # Changed only through ``select_truncation``.
-SELECT_ON_CUDA = True
+SELECT_ON_CUDA = False
 _SELECT_ANYWHERE = False  # select_truncation(force=True): the kernel on every device (the CPU tier)
 
 
