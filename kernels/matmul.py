@@ -236,8 +236,8 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # Tiles per role, chosen by the caller (by the token count only for "row", a table): the plain GEMMs, and lm_head
 # (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
 # router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep).
-# Up to DECODE_ROWS rows the launchers take ``decode_tile``'s tile instead (below; DECODE_TILES), but
-# for lm_head; these fixed tiles and tables stay the tiles above that bound.
+# Where ``plain_decode`` / ``grouped_decode`` hold (below; DECODE_TILES) the launchers take ``decode_tile``'s
+# tile instead, but for lm_head; these fixed tiles and tables are the tiles everywhere else.
 #
 # Tile tables (tree width 1, the flat contract's o_proj and MoE down projection): the tile
 # depends on the row count, from a table of tiles that all compute the same bits: each runs the
@@ -342,18 +342,40 @@ def expert_groups(slots: int, experts: int) -> tuple[int, int]:
     return used, triton.cdiv(slots, used)
 
 
-# Whether decode row counts take decode_tile's tiles (and the grouped GEMMs their used-blocks launch);
-# off: the fixed tiles and tables above, with their launch. On by default only with the GPU tier's
+# Whether decode row counts take decode_tile's tiles (and the grouped GEMMs their used-blocks launch)
+# where ``plain_decode`` / ``grouped_decode`` hold; off: the fixed tiles and tables above, with their launch. On by default only with the GPU tier's
 # evidence that every candidate tile is bitwise the pointer kernel (tests/gpu/test_kernels_gpu.py,
 # evidence/gpu-tier-decode-tiles) and benchmarks/decode_tiles.py's that it is faster
 # (evidence/bench-decode-tiles.json), both at the commit that sets it.
 DECODE_TILES = True
+# Where the decode tiles apply: where their premise holds, that the GEMM streams each weight from HBM
+# about once. A plain or tree GEMM: while one row tile (DECODE_BM's largest) holds every row; more rows
+# take several row tiles, each streaming the weights again, more often than the fixed tiles' 128-row
+# tiles do. A grouped GEMM: while the expected rows per expert in use (``expert_groups``) fill at most
+# half of the smallest row tile; an expert's count spreads about that mean, and a block whose rows
+# overflow its tile streams the expert's weights again in the block loop. Past either bound the fixed
+# tiles were the faster at every measured shape (benchmarks/decode_tiles.py).
+DECODE_PLAIN_ROWS = DECODE_BM[-1]
+DECODE_EXPERT_ROWS = DECODE_BM[0] // 2
+
+
+def plain_decode(rows: int) -> bool:
+    """Whether a plain or tree GEMM of ``rows`` rows takes decode tiles (DECODE_TILES, DECODE_PLAIN_ROWS)."""
+    return DECODE_TILES and rows <= DECODE_PLAIN_ROWS
+
+
+def grouped_decode(tokens: int | None, slots: int | None, experts: int) -> bool:
+    """Whether a grouped GEMM of ``tokens`` tokens routed to ``slots`` pairs over ``experts`` experts takes
+    decode tiles and the used-blocks launch: DECODE_TILES, ``slots`` known, at most DECODE_ROWS tokens
+    and at most DECODE_EXPERT_ROWS expected rows per expert in use."""
+    return (DECODE_TILES and slots is not None and tokens is not None and tokens <= DECODE_ROWS
+            and expert_groups(slots, experts)[1] <= DECODE_EXPERT_ROWS)
 
 
 def tma_tiles(role: str, rows: int, n: int, k: int, sms: int) -> dict:
     """The TMA tile of a plain GEMM of ``role`` at ``rows`` rows of [rows, K] @ [N, K]^T: ``decode_tile``
-    up to DECODE_ROWS rows (roles DECODE_ROLES), else the role's tile or table in TMA."""
-    if DECODE_TILES and role in DECODE_ROLES and rows <= DECODE_ROWS:
+    where ``plain_decode`` holds (roles DECODE_ROLES), else the role's tile or table in TMA."""
+    if role in DECODE_ROLES and plain_decode(rows):
         return decode_tile(rows, n, k, sms)
     return by_rows(TMA[role], rows)
 
@@ -362,8 +384,8 @@ def grouped_tiles(role: str, tokens: int, slots: int, experts: int, n: int, k: i
     """The TMA tile of a grouped GEMM (gate/up: ``role="plain"``; the flat down projection: "down") of
     ``tokens`` tokens routed to ``slots`` (token, expert) pairs over ``experts`` local experts:
     ``decode_tile`` over the experts in use (one program per expert block and column tile, looping
-    over the block's row tiles) up to DECODE_ROWS tokens, else GROUPED_UP_TMA or DOWN_TMA."""
-    if DECODE_TILES and tokens <= DECODE_ROWS:
+    over the block's row tiles) where ``grouped_decode`` holds, else GROUPED_UP_TMA or DOWN_TMA."""
+    if grouped_decode(tokens, slots, experts):
         used, per = expert_groups(slots, experts)
         return decode_tile(per, n, k, sms, used, looped=True)
     return by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
@@ -377,8 +399,9 @@ def used_blocks(slots: int, experts: int) -> int:
 
 
 # The tree GEMMs of the segment-tree contract (o_proj: ``split_matmul`` and ``matmul(tree=True)``; the
-# MoE down projection: ``seg_tree``) take decode tiles under DECODE_TILES too, the same way: at most
-# DECODE_ROWS rows, >= PROGRAMS_PER_SM x SMs busy programs where a tile can give them. The segments and
+# MoE down projection: ``seg_tree``) take decode tiles under DECODE_TILES too, the same way: where
+# ``plain_decode`` (o_proj) or ``grouped_decode`` (down) holds, >= PROGRAMS_PER_SM x SMs busy programs
+# where a tile can give them. The segments and
 # each segment's K chunks (BLOCK_K, seg_tree's BK and tail) fix the reduction order and stay the
 # fixed tiles'; only BLOCK_M, BLOCK_N, N_GROUP and the segments per plane follow the shape. Each such
 # tile runs a segment's 16-wide MMA steps from the segment's first column into a fresh fp32
@@ -393,12 +416,13 @@ SEG_GRID = {(bm, bn): dict(ROW_SEG, BLOCK_M=bm, BLOCK_N=bn) for bm in DECODE_BM 
 @functools.lru_cache(maxsize=4096)
 def split_decode_tile(rows: int, n: int, k: int, segments: int, sms: int) -> tuple[dict, int]:
     """(tile, segments per plane) of ``split_matmul`` at ``rows`` rows of [rows, K] @ [N, K]^T in
-    ``segments`` segments: of the (per plane, BLOCK_N) pairs whose programs stream >= MIN_PROGRAM_BYTES
-    of weights, the one with the fewest programs reaching PROGRAMS_PER_SM x sms (ties: more segments
-    per plane, fewer planes to write and read back; then the wider tile), else the one with the most
-    programs. BLOCK_M as ``decode_tile``. A pure function of its arguments; the tile is in SPLIT_GRID."""
+    ``segments`` segments: the fixed path's segments per plane (PER_PLANE where it divides, else 1;
+    planes of 4 were slower than the fixed tiles at every measured shape) and, of the BLOCK_N whose
+    programs stream >= MIN_PROGRAM_BYTES of weights, the one with the fewest programs reaching
+    PROGRAMS_PER_SM x sms (ties: the wider tile), else the one with the most programs. BLOCK_M as
+    ``decode_tile``. A pure function of its arguments; the tile is in SPLIT_GRID."""
     bm, seg = decode_bm(rows), k // segments
-    pairs = [(pp, bn) for pp in (4, 2, 1) if segments % pp == 0 for bn in DECODE_BN]
+    pairs = [(fixed_per_plane(segments), bn) for bn in DECODE_BN]
     pairs = [(pp, bn) for pp, bn in pairs if 2 * bn * seg * pp >= MIN_PROGRAM_BYTES] or pairs[:1]
     options = [(triton.cdiv(rows, bm) * triton.cdiv(n, bn) * (segments // pp), pp, bn) for pp, bn in pairs]
     full = [o for o in options if o[0] >= PROGRAMS_PER_SM * sms]
@@ -407,18 +431,23 @@ def split_decode_tile(rows: int, n: int, k: int, segments: int, sms: int) -> tup
 
 
 def split_tiles(rows: int, n: int, k: int, segments: int, sms: int) -> tuple[dict, int]:
-    """(tile, segments per plane) of ``split_matmul``: ``split_decode_tile`` up to DECODE_ROWS rows
-    under DECODE_TILES, else ROW with PER_PLANE segments per plane (1 where PER_PLANE does not divide)."""
-    if DECODE_TILES and rows <= DECODE_ROWS:
+    """(tile, segments per plane) of ``split_matmul``: ``split_decode_tile`` where ``plain_decode`` holds,
+    else ROW with the fixed path's segments per plane (``fixed_per_plane``)."""
+    if plain_decode(rows):
         return split_decode_tile(rows, n, k, segments, sms)
-    return ROW, PER_PLANE if segments % PER_PLANE == 0 else 1
+    return ROW, fixed_per_plane(segments)
+
+
+def fixed_per_plane(segments: int) -> int:
+    """PER_PLANE where it divides ``segments``, else 1."""
+    return PER_PLANE if segments % PER_PLANE == 0 else 1
 
 
 def tree_tiles(cfg: dict, rows: int, n: int, k: int, sms: int) -> dict:
-    """The tile of ``matmul(tree=True)`` whose fixed tile is ``cfg`` (ROW_FLAT or ROW): up to DECODE_ROWS
-    rows under DECODE_TILES, the same K chunks (FLAT_GRID, one column tile per program; SPLIT_GRID) with
+    """The tile of ``matmul(tree=True)`` whose fixed tile is ``cfg`` (ROW_FLAT or ROW): where
+    ``plain_decode`` holds, the same K chunks (FLAT_GRID, one column tile per program; SPLIT_GRID) with
     BLOCK_M and BLOCK_N as ``decode_tile`` picks them over the whole K; else ``cfg``."""
-    if not (DECODE_TILES and rows <= DECODE_ROWS):
+    if not plain_decode(rows):
         return cfg
     bm = decode_bm(rows)
     grid = FLAT_GRID if cfg is ROW_FLAT else SPLIT_GRID
@@ -445,9 +474,9 @@ def seg_decode_tile(slots: int, experts: int, n: int, k: int, segments: int, sms
 
 def seg_tiles(tokens: int, slots: int | None, experts: int, n: int, k: int, segments: int, sms: int) -> dict:
     """The ``seg_tree`` tile of a grouped tree GEMM of ``tokens`` tokens and ``slots`` pairs:
-    ``seg_decode_tile`` (launched over ``used_blocks``' blocks) up to DECODE_ROWS tokens under
-    DECODE_TILES when ``slots`` is known, else ROW_SEG over the whole table."""
-    if DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
+    ``seg_decode_tile`` (launched over ``used_blocks``' blocks) where ``grouped_decode`` holds, else
+    ROW_SEG over the whole table."""
+    if grouped_decode(tokens, slots, experts):
         return seg_decode_tile(slots, experts, n, k, segments, sms)
     return ROW_SEG
 
@@ -612,9 +641,9 @@ def split_matmul(x: torch.Tensor, w: torch.Tensor, segments: int, out_dtype=None
     m, n = x.shape[0], w.shape[0]
     if cfg is None and per_plane is None:  # (the SM count is read only for a decode tile)
         cfg, per_plane = split_tiles(m, n, x.shape[1], segments,
-                                     sm_count(x) if DECODE_TILES and m <= DECODE_ROWS else 0)
+                                     sm_count(x) if plain_decode(m) else 0)
     if per_plane is None:
-        per_plane = PER_PLANE if segments % PER_PLANE == 0 else 1
+        per_plane = fixed_per_plane(segments)
     planes = segments // per_plane if per_plane in (1, 2, 4) and segments % per_plane == 0 else 0
     parts = torch.empty(max(planes, 1), m, n, dtype=torch.float32, device=x.device)
     _launch(x, w, parts, None, None, m, segments, cfg or ROW, split=True, per_plane=per_plane)
@@ -659,7 +688,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
         return _launch_tma(x, w, out, tma_tiles(role, x.shape[0], w.shape[0], x.shape[1], sm_count(x)))
-    if cfg is not COLUMN and DECODE_TILES and x.shape[0] <= DECODE_ROWS:
+    if cfg is not COLUMN and plain_decode(x.shape[0]):
         cfg = tree_tiles(cfg, x.shape[0], w.shape[0], x.shape[1], sm_count(x))
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
 
@@ -678,7 +707,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     ``role="down"`` with ``tokens`` (the MoE call's token count): a plain (tree-width-1) down
     projection takes ``DOWN_TMA``'s tiles for that count (the same bits as every other tile).
     ``tokens`` and ``slots`` (the (token, expert) pairs the table was built from, ``align``'s T x k):
-    up to DECODE_ROWS tokens the TMA tiles follow ``grouped_tiles``, programs are launched only for
+    where ``grouped_decode`` holds the TMA tiles follow ``grouped_tiles``, programs are launched only for
     the blocks the table can fill (``used_blocks``), one per block and column tile (its row tiles in
     turn); the same for the grouped tree GEMM's ``seg_tree`` tiles (``seg_tiles``); no bit changes.
     """
@@ -697,7 +726,8 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     cfg = _tiles(segments, tree, k)
     count, subtiles, seg = rows.shape[0], 1, False
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
-    if tma and DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
+    decode = grouped_decode(tokens, slots, w.shape[0])
+    if tma and decode:
         cfg = grouped_tiles(role, tokens, slots, w.shape[0], w.shape[1], k, sm_count(x))
         count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
     elif tma:
@@ -708,7 +738,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
           and seg_tree.smem_ok(k // segments, ROW_SEG)):
         # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
         seg = True
-        if DECODE_TILES and slots is not None and tokens <= DECODE_ROWS:
+        if decode:
             cfg = seg_tiles(tokens, slots, w.shape[0], w.shape[1], k, segments, sm_count(x))
             count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
         else:

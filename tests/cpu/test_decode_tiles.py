@@ -3,8 +3,10 @@
 - the rule is a pure function of the shapes and the SM count, and every tile it returns (for the
   Qwen3-MoE layer GEMMs of 30B-A3B, 235B-A22B and an odd geometry, at 1 to 4096 rows, with and
   without ``DECODE_TILES``) is one of ``candidate_tiles(role)``, what the GPU tier checks bitwise;
-- at decode rows it keeps >= PROGRAMS_PER_SM x SMs programs busy where a candidate can, with the
-  widest such tile; above the decode bound (and with ``DECODE_TILES`` off) it gives the fixed tiles;
+- it applies where each weight streams about once (``plain_decode``: one row tile holds the rows;
+  ``grouped_decode``: at most half a 16-row tile of expected rows per expert in use); there it keeps
+  >= PROGRAMS_PER_SM x SMs programs busy where a candidate can, with the widest such tile; elsewhere
+  (and with ``DECODE_TILES`` off) it gives the fixed tiles;
 - ``used_blocks`` bounds the blocks ``moe.align`` fills, so the programs it trims do no work;
 - interpreted (TRITON_INTERPRET=1, 16-wide fp32 rounding steps: ``matmul.interpreted_dot``), every
   such tile computes the bits of the fixed tiles and of the 16-step reference, plain and grouped,
@@ -38,6 +40,13 @@ def tile(role, n, k, rows, geometry, sms):
     if role in ("gate_up", "down"):
         return mm.grouped_tiles("down" if role == "down" else "plain", rows, rows * top_k, e, n, k, sms)
     return mm.tma_tiles(role, rows, n, k, sms)
+
+
+def applies(role, rows, geometry):
+    """Whether the rule gives the GEMM of ``role`` decode tiles at ``rows`` rows (tokens)."""
+    if role in ("gate_up", "down"):
+        return mm.grouped_decode(rows, rows * geometry[5], geometry[4])
+    return mm.plain_decode(rows)
 
 
 def busy(role, cfg, n, rows, geometry):
@@ -82,11 +91,11 @@ def test_the_rule_is_a_pure_function_of_the_shapes():
 
 
 def test_decode_rows_fill_the_gpu(monkeypatch):
-    """Up to the decode bound: >= PROGRAMS_PER_SM x SMs busy programs with the widest tile that
+    """Where the decode tiles apply: >= PROGRAMS_PER_SM x SMs busy programs with the widest tile that
     gives them, else the most programs a tile allowed for K gives."""
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     for name, g, gemm, role, n, k in cases():
-        for rows in (r for r in ROWS if r <= mm.DECODE_ROWS):
+        for rows in (r for r in ROWS if applies(role, r, g)):
             for sms in SMS:
                 cfg = tile(role, n, k, rows, g, sms)
                 need = mm.PROGRAMS_PER_SM * sms
@@ -111,14 +120,33 @@ def test_one_row_busies_more_programs_than_the_fixed_tiles(monkeypatch):
         assert new >= 2 * old, (name, gemm, new, old)
 
 
-def test_above_the_decode_bound_and_switched_off_the_fixed_tiles(monkeypatch):
+def test_decode_tiles_apply_where_each_weight_streams_once(monkeypatch):
+    """Plain GEMMs: while one row tile holds every row. Grouped: while the expected rows per expert in
+    use fill at most half a 16-row tile (30B-A3B's 128 experts, top-8: 5 rows at 64 tokens, 16 at
+    256; 256 experts, top-6: 7 at 256 tokens); never without the routed pairs or with the switch off."""
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
+    assert mm.plain_decode(mm.DECODE_PLAIN_ROWS) and not mm.plain_decode(mm.DECODE_PLAIN_ROWS + 1)
+    assert all(mm.decode_bm(r) >= r for r in range(1, mm.DECODE_PLAIN_ROWS + 1))  # one row tile
+    assert mm.expert_groups(64 * 8, 128)[1] == 5 and mm.grouped_decode(64, 64 * 8, 128)
+    assert mm.expert_groups(256 * 8, 128)[1] == 16 and not mm.grouped_decode(256, 256 * 8, 128)
+    assert mm.expert_groups(256 * 6, 256)[1] == 7 and mm.grouped_decode(256, 256 * 6, 256)
+    assert not mm.grouped_decode(mm.DECODE_ROWS + 1, (mm.DECODE_ROWS + 1) * 6, 4096)
+    assert not mm.grouped_decode(1, None, 128) and not mm.grouped_decode(None, 8, 128)
+    monkeypatch.setattr(mm, "DECODE_TILES", False)
+    assert not mm.plain_decode(1) and not mm.grouped_decode(1, 8, 128)
+
+
+def test_where_they_do_not_apply_and_switched_off_the_fixed_tiles(monkeypatch):
     def fixed(role, rows):
         if role == "gate_up":
             return mm.GROUPED_UP_TMA
         return mm.by_rows(mm.DOWN_TMA if role == "down" else mm.TMA[role], rows)
 
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
     for name, g, gemm, role, n, k in cases():
-        for rows in (mm.DECODE_ROWS + 1, 4096):
+        outside = [r for r in ROWS if not applies(role, r, g)]
+        assert mm.DECODE_ROWS + 1 in outside and 4096 in outside, (name, gemm, outside)
+        for rows in outside:
             assert tile(role, n, k, rows, g, 132) is fixed(role, rows), (name, gemm, rows)
         monkeypatch.setattr(mm, "DECODE_TILES", False)
         assert all(tile(role, n, k, rows, g, 132) is fixed(role, rows) for rows in ROWS), (name, gemm)

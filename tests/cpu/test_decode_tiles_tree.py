@@ -4,8 +4,9 @@
   and the MoE down projection of 30B-A3B, 235B-A22B and an odd geometry, at the local segment
   counts of TP 1/2/4/8, at 1 to 4096 rows, with and without ``DECODE_TILES``) is one of
   ``candidate_tiles``, what the GPU tier checks bitwise; BLOCK_K (seg_tree's BK) is the fixed tile's;
-- at one row they keep >= PROGRAMS_PER_SM x SMs programs busy where a candidate can; above the
-  decode bound and with ``DECODE_TILES`` off they give the fixed tiles and launch exactly;
+- at one row they keep >= PROGRAMS_PER_SM x SMs programs busy where a candidate can (``split_matmul``
+  with the fixed path's segments per plane); where ``plain_decode`` (o_proj) or ``grouped_decode``
+  (down) does not hold and with ``DECODE_TILES`` off they give the fixed tiles and launch exactly;
 - interpreted (TRITON_INTERPRET=1), every such tile (and plane split) computes the fixed tiles'
   bits: ``split_matmul``, ``matmul(tree=True)`` (ROW_FLAT and ROW) and ``seg_tree`` over the whole
   table and as the decode path launches it (the block loop over ``used_blocks``' blocks), and the
@@ -89,8 +90,9 @@ def most_programs(key, rows):
     _, (e, k), _, (n, kk), (_, nd, kd) = [c for c in cases() if c[0] == name and c[2] == s][0]
     bm = next(b for b in mm.DECODE_BM if b >= rows)
     if role == "split":
-        return max(triton.cdiv(n, bn) * (s // pp) for pp in (1, 2, 4) if s % pp == 0 for bn in mm.DECODE_BN
-                   if 2 * bn * (kk // s) * pp >= mm.MIN_PROGRAM_BYTES)  # (a 128-wide plane of 4 always does here)
+        pp = mm.fixed_per_plane(s)
+        return max(triton.cdiv(n, bn) * (s // pp) for bn in mm.DECODE_BN
+                   if 2 * bn * (kk // s) * pp >= mm.MIN_PROGRAM_BYTES)  # (a 128-wide tile always does here)
     if role == "tree":
         return max(triton.cdiv(n, bn) for bn in mm.DECODE_BN if 2 * bn * kk >= mm.MIN_PROGRAM_BYTES)
     used, per = mm.expert_groups(rows * k, e)
@@ -115,7 +117,7 @@ def test_one_row_fills_the_gpu(monkeypatch):
             if key[2] == "seg_tree" and key[1] == 8:
                 assert busy >= mm.PROGRAMS_PER_SM * sms, (key, sms, cfg, pp, busy)
     # a shape too small to fill the GPU takes the most programs a tile gives
-    assert mm.split_decode_tile(1, 64, 1024, 8, 132) == (mm.SPLIT_GRID[16, 128], 1)  # 8 planes of 1 tile
+    assert mm.split_decode_tile(1, 64, 1024, 8, 132) == (mm.SPLIT_GRID[16, 128], 2)  # 4 planes of 1 tile
 
 
 def test_seg_tiles_fit_shared_memory(monkeypatch):
@@ -127,11 +129,30 @@ def test_seg_tiles_fit_shared_memory(monkeypatch):
                 assert st.fits(kd // s, cfg["BK"]) and st.smem_ok(kd // s, cfg), (name, s, rows, cfg)
 
 
-def test_above_the_decode_bound_and_switched_off_the_fixed_tiles(monkeypatch):
-    for decode, counts in ((True, (mm.DECODE_ROWS + 1, 4096)), (False, ROWS)):
+def test_split_keeps_the_fixed_segments_per_plane(monkeypatch):
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
+    for rows in ROWS:
+        for (name, s, role), cfg, pp, _ in tiles(rows, 132):
+            assert role != "split" or pp == mm.fixed_per_plane(s), (name, s, rows, pp)
+
+
+def outside(key, rows):
+    """Whether the tree GEMM ``key`` takes its fixed tiles at ``rows`` rows (tokens) with the switch on."""
+    name, _, role = key
+    if role == "seg_tree":
+        e, k = GEOMETRIES[name][4], GEOMETRIES[name][5]
+        return not mm.grouped_decode(rows, rows * k, e)
+    return not mm.plain_decode(rows)
+
+
+def test_where_they_do_not_apply_and_switched_off_the_fixed_tiles(monkeypatch):
+    for decode in (True, False):
         monkeypatch.setattr(mm, "DECODE_TILES", decode)
-        for rows in counts:
-            for (name, s, role), cfg, pp, _ in tiles(rows, 132):
+        for rows in ROWS:
+            for key, cfg, pp, _ in tiles(rows, 132):
+                name, s, role = key
+                if decode and not outside(key, rows):
+                    continue
                 fixed = {"split": mm.ROW, "seg_tree": mm.ROW_SEG}.get(role)
                 if role == "tree":
                     assert cfg is mm.ROW_FLAT or cfg is mm.ROW, (name, s, rows, cfg)
