@@ -563,8 +563,14 @@ def hopper(x) -> bool:
     return _HOPPER[dev]
 
 
+INTERPRETED_SMS = 132
+
+
 def sm_count(x) -> int:
-    """The SM count of the GPU ``x`` lives on, read once per device (host only, no sync)."""
+    """The SM count of the GPU ``x`` lives on, read once per device (host only, no sync); an H200's
+    for a tensor off CUDA (the interpreter: a tile changes no bit, only which programs run)."""
+    if x.device.type != "cuda":
+        return INTERPRETED_SMS
     dev = _device(x)
     if dev not in _SMS:
         _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count

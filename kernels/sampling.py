@@ -27,12 +27,15 @@ Invariance: row r depends only on row r's logits and (T, s, p, top_k, top_p, min
 reads the vocabulary (any size V) in the 8 fixed shards of ceil(V/8) columns of ``kernels/logprobs``;
 each shard's winner is its exact fp64 maximum and lowest id attaining it (an fp32 estimate of the
 noise only skips chunks that cannot hold it: ``GUMBEL_ERR``); shard winners are combined in shard
-order; nothing depends on the row count or the chunking. The truncation has two forms of one rule
-with the same bits: torch (``torch.sort`` stable, whose result is unique; ``torch.cumsum`` over
-int64 masses, exact whatever algorithm torch picks) and the selection kernel of
-``kernels/truncation.py`` (no sort; exact integer counts and sums). ``truncate`` picks one
-(``SELECT_ON_CUDA``, ``select_truncation``); the rollout's ``sample`` and the trainer's
-``truncated_token_logprobs`` both go through ``truncate``.
+order; nothing depends on the row count or the chunking. The truncation has three forms of one
+rule with the same bits: torch's sort (``torch.sort`` stable, whose result is unique;
+``torch.cumsum`` over int64 masses, exact whatever algorithm torch picks); torch's top-k, when the
+caller knows on the host that every truncating row keeps at most TOP_WIDTH tokens (``torch.topk``'s
+values are the sort's, whatever its tie order; the kept ids are read off by value and id:
+``_truncate_top``); and the selection kernel of ``kernels/truncation.py`` (no sort; exact integer
+counts and sums). ``truncate`` picks one (``SELECT_ON_CUDA``, ``select_truncation``, its
+``bound``); the rollout's ``sample`` and the trainer's ``truncated_token_logprobs`` both go through
+``truncate``.
 """
 
 from __future__ import annotations
@@ -284,15 +287,25 @@ def selects(logp: torch.Tensor) -> bool:
     return _SELECT_ANYWHERE or (SELECT_ON_CUDA and logp.is_cuda and not INTERPRETED)
 
 
-def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int = ROW_CHUNK) -> torch.Tensor:
+def top_k_bound(top_k, vocab: int) -> int | None:
+    """The host-known bound on every row's top_k that ``truncate`` infers: a Python int top_k in
+    [1, vocab) (every row the same), else None (rows may keep up to the whole vocabulary)."""
+    return top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k < vocab else None
+
+
+def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int = ROW_CHUNK,
+             bound: int | None = None) -> torch.Tensor:
     """fp32 [rows, vocab] logq (see the module docstring); rows that need no truncation are logp
     (a copy). ``logp`` holds log-probabilities: no NaN or +inf, and each row's probabilities sum to
-    at most 2, so the int64 masses cannot overflow (unchecked: a check would wait on the GPU). The
-    sort path takes rows ``chunk`` at a time (row-independent, so the chunk changes no bit); the
-    selection kernel (``selects``) takes every row in one launch. Neither path reads a value back
-    to the host or sizes an allocation by data (the sort's own workspace is torch's), so a call
-    can be captured in a CUDA graph when top_k / top_p / min_p are scalars or tensors on ``logp``'s
-    device."""
+    at most 2, so the int64 masses cannot overflow (unchecked: a check would wait on the GPU).
+    ``bound``: an int the caller knows on the host, at least the top_k of every row that truncates
+    (None: ``top_k_bound``'s, from a scalar top_k). Three forms of the rule, the same bits: the
+    selection kernel (``selects``), every row in one launch; up to TOP_WIDTH, ``torch.topk`` of
+    ``bound`` values instead of the sort (``_truncate_top``); else the sort. The sort and topk paths
+    take rows ``chunk`` at a time (row-independent, so the chunk changes no bit). No path reads a
+    value back to the host or sizes an allocation by data (the sort's and topk's own workspaces are
+    torch's), so a call can be captured in a CUDA graph when top_k / top_p / min_p are scalars or
+    tensors on ``logp``'s device."""
     rows, vocab = logp.shape
     if selects(logp):
         from true_on_policy.kernels.truncation import truncate_select  # (it imports this module)
@@ -300,18 +313,26 @@ def truncate(logp: torch.Tensor, top_k=None, top_p=None, min_p=None, chunk: int 
         return truncate_select(logp, top_k, top_p, min_p)
     if rows == 0:
         return logp.clone()
+    width = top_k_bound(top_k, vocab) if bound is None else min(max(int(bound), 1), vocab)
     k, p, mp, need = truncation_params(rows, vocab, logp.device, top_k, top_p, min_p)
-    out = [_truncate_rows(logp[i:i + chunk], k[i:i + chunk], p[i:i + chunk], mp[i:i + chunk], need[i:i + chunk])
-           for i in range(0, rows, chunk)]
+    if width is not None and width <= TOP_WIDTH:
+        def part(sl):
+            return _truncate_top(logp[sl], k[sl], p[sl], mp[sl], need[sl], width)
+    else:
+        def part(sl):
+            return _truncate_rows(logp[sl], k[sl], p[sl], mp[sl], need[sl])
+    out = [part(slice(i, i + chunk)) for i in range(0, rows, chunk)]
     return torch.cat(out) if len(out) != 1 else out[0]
 
 
 MASS_BITS = 62  # fixed-point probability masses: p * 2^62 < 2^63, and V such sums of p <= 1 stay below 2^63
+TOP_WIDTH = 1024  # the widest top_k bound ``truncate`` serves with torch.topk (its one-pass radix selection) over the sort
 
 
-def _truncate_rows(logp, k, p, mp, need):
-    vocab = logp.shape[1]
-    srt, idx = torch.sort(logp, dim=-1, descending=True, stable=True)
+def _cut(srt, k, p, mp, vocab):
+    """(kept [rows], total [rows, 1]) of the rule from the first values of each row's order ``srt``
+    (descending): the kept prefix's length and fp64 mass. Each criterion keeps a prefix, so a row
+    whose top_k is at most ``srt``'s width gets the whole vocabulary's answer from ``srt`` alone."""
     prob = srt.double().exp()
     mass = (prob * 2.0 ** MASS_BITS).to(torch.int64)  # floor (p >= 0); exact sums in any order
     cum = torch.cumsum(mass, dim=-1)
@@ -319,16 +340,40 @@ def _truncate_rows(logp, k, p, mp, need):
     cut = (p * 2.0 ** MASS_BITS).to(torch.int64)  # fp32 top_p * 2^62: an exact integer
     len_p = torch.where(p < 1.0, (before <= cut[:, None]).sum(dim=-1), vocab)
     len_m = (prob >= mp[:, None] * prob[:, :1]).sum(dim=-1)
-    kept = torch.minimum(torch.minimum(k, len_p), len_m).clamp_(min=1)  # each criterion keeps a prefix
+    kept = torch.minimum(torch.minimum(k, len_p), len_m).clamp_(min=1)
+    return kept, cum.gather(1, (kept - 1)[:, None]).double() * 2.0 ** -MASS_BITS
+
+
+def _truncate_rows(logp, k, p, mp, need):
+    vocab = logp.shape[1]
+    srt, idx = torch.sort(logp, dim=-1, descending=True, stable=True)
+    kept, total = _cut(srt, k, p, mp, vocab)
     keep = torch.arange(vocab, device=logp.device)[None, :] < kept[:, None]
-    total = cum.gather(1, (kept - 1)[:, None]).double() * 2.0 ** -MASS_BITS
     q_sorted = torch.where(keep, (srt.double() - torch.log(total)).float(), float("-inf"))
     logq = torch.empty_like(logp).scatter_(1, idx, q_sorted)
     return torch.where(need[:, None], logq, logp)
 
 
+def _truncate_top(logp, k, p, mp, need, width):
+    """``_truncate_rows`` where every row that truncates has top_k <= ``width``: the first ``width``
+    values of the order are ``torch.topk``'s (ties have equal values, so whichever of them topk
+    returns, the values are the sort's), which decide kept and total (``_cut``). Which ids are kept
+    is then read off the vocabulary: those above the last kept value, and of those equal to it the
+    lowest ids (the stable sort's tie order), as many as the prefix holds. The same bits as the sort."""
+    vocab = logp.shape[1]
+    srt = torch.topk(logp, width, dim=-1, largest=True, sorted=True).values
+    kept, total = _cut(srt, k, p, mp, vocab)
+    edge = srt.gather(1, (kept - 1)[:, None])  # the last kept value
+    room = kept[:, None] - (srt > edge).sum(dim=-1, keepdim=True)  # kept places left for values == edge
+    tie = logp == edge
+    keep = (logp > edge) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= room))
+    logq = torch.where(keep, (logp.double() - torch.log(total)).float(), float("-inf"))
+    return torch.where(need[:, None], logq, logp)
+
+
 def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: torch.Tensor,
-           top_k=None, top_p=None, min_p=None, need_dist: bool = False, truncating: bool | None = None):
+           top_k=None, top_p=None, min_p=None, need_dist: bool = False, truncating: bool | None = None,
+           bound: int | None = None):
     """Draw one token per row and report its log-prob (see the module docstring).
 
     logits fp32 [rows, vocab] (full vocabulary; rows may be strided), temperature float or fp32
@@ -337,9 +382,11 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     distribution drawn from (logq) when truncation was applied or ``need_dist``, else None.
     ``truncating=False`` (the caller knows no row has 1 < top_k < vocab, top_p < 1 or min_p > 0)
     skips the truncation; ``None`` infers it from whether any of top_k/top_p/min_p was given.
+    ``bound``: ``truncate``'s (None: from a scalar top_k).
     """
     rows, vocab = logits.shape
     device = logits.device
+    bound = top_k_bound(top_k, vocab) if bound is None else bound
     temp = temperatures(temperature, rows, device)
     stats = shard_stats(logits, temp, SHARDS)
     lse = row_lse(stats)
@@ -355,7 +402,7 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     if truncating or need_dist:
         dist = logits.float() / temp[:, None] - lse[:, None]
         if truncating:
-            dist = truncate(dist, k, p, mp)
+            dist = truncate(dist, k, p, mp, bound=bound)
     best = torch.empty(rows, 8, dtype=torch.float64, device=device)
     best_idx = torch.empty(rows, 8, dtype=torch.int64, device=device)
     if rows:
@@ -374,15 +421,17 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
 
 
 def truncated_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0,
-                             top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """The trainer's side of ``sample``: fp32 logq at ``tokens`` (bitwise the rollout's report)."""
+                             top_k=None, top_p=None, min_p=None, bound: int | None = None) -> torch.Tensor:
+    """The trainer's side of ``sample``: fp32 logq at ``tokens`` (bitwise the rollout's report, whatever
+    either side's ``bound``, ``truncate``'s: None infers it from a scalar top_k)."""
     rows, vocab = logits.shape
+    bound = top_k_bound(top_k, vocab) if bound is None else bound
     temp = temperatures(temperature, rows, logits.device)
     k, p, mp, _ = truncation_params(rows, vocab, logits.device, top_k, top_p, min_p)
     out = []
     for i in range(0, rows, ROW_CHUNK):
         sl = slice(i, i + ROW_CHUNK)
-        logq = truncate(log_softmax_rows(logits[sl], temp[sl]), k[sl], p[sl], mp[sl])
+        logq = truncate(log_softmax_rows(logits[sl], temp[sl]), k[sl], p[sl], mp[sl], bound=bound)
         out.append(logq.gather(1, tokens[sl].long()[:, None])[:, 0])
     return torch.cat(out) if out else torch.empty(0, dtype=torch.float32, device=logits.device)
 

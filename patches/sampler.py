@@ -1,5 +1,6 @@
 """Logits and sampler seam (sglang/srt/layers/logits_processor.py, sglang/srt/layers/sampler.py,
-sglang/srt/layers/logprob_processor.py).
+sglang/srt/layers/logprob_processor.py, and the batch's sampling parameters in
+sglang/srt/sampling/sampling_batch_info.py).
 
 Under an rl target SGLang computes lm_head as a bf16 matmul, *samples* from
 ``log_softmax(bf16(bf16(logits) / T))`` and reports stock values for top-logprobs, token-id
@@ -16,6 +17,13 @@ logprobs and input logprobs. The contract:
   prefill-only scoring path are the same kernel at T = 1 (SGLang's input log-probs are
   untempered), i.e. the trainer's ``token_logprobs(..., temperature=1.0)``.
 
+The truncation's host bound: SamplingBatchInfo's hooks for extensions (``adjusted_from_schedule_batch``,
+``adjusted_merge_batch``) and ``copy_for_forward`` carry, beside SGLang's GPU tensors, one host int
+(``top_k_bound``): at least the top_k of every request of the batch that truncates (the vocabulary
+when one truncates by top_p or min_p alone). A filter keeps it (still a bound), a merge takes the
+larger. With it ``sample`` truncates by torch.topk instead of sorting the vocabulary, the same bits
+(``kernels/sampling.truncate``), reading nothing back from the GPU.
+
 Parameters that change the logits before the sampler (penalties, logit bias, grammars, custom
 processors, min_new_tokens) are refused per request before scheduling
 (``patches/request_contract.py``); the sampler raises if one still arrives.
@@ -24,12 +32,42 @@ processors, min_new_tokens) are refused per request before scheduling
 from __future__ import annotations
 
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, replacing, wrap
+from true_on_policy.patching import PatchError, after, replacing, wrap
 
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 SAMPLER = "sglang.srt.layers.sampler.Sampler.forward"
 LOGPROBS_ONLY = "sglang.srt.layers.sampler.Sampler.compute_logprobs_only"
 INPUT_LOGPROBS = "sglang.srt.layers.logprob_processor.InputLogprobProcessor._forward_by_chunk"
+_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
+INFO_FROM_BATCH, INFO_MERGE, INFO_COPY = (f"{_INFO}.adjusted_from_schedule_batch", f"{_INFO}.adjusted_merge_batch",
+                                          f"{_INFO}.copy_for_forward")
+BOUND = "tpo_top_k_bound"  # the SamplingBatchInfo attribute that holds top_k_bound
+
+
+def top_k_bound(params, vocab: int) -> int:
+    """At least the top_k of every request in ``params`` (SGLang's SamplingParams) that truncates
+    under ``kernels/sampling.truncation_params``: top_k <= 0 or > vocab keeps the vocabulary, top_k 1
+    is greedy and never truncates; a request truncates with 1 < top_k < vocab, top_p < 1 or min_p > 0
+    (judged before the fp32 rounding of top_p: that can only add a request). 0: none truncates."""
+    out = 0
+    for sp in params:
+        k = vocab if sp.top_k <= 0 or sp.top_k > vocab else int(sp.top_k)
+        if k != 1 and (k < vocab or sp.top_p < 1.0 or sp.min_p > 0.0):
+            out = max(out, k)
+    return out
+
+
+def _bound_from_batch(_, info, batch, vocab_size):
+    setattr(info, BOUND, top_k_bound([r.sampling_params for r in batch.reqs], vocab_size))
+
+
+def _bound_merge(_, info, other):
+    a, b = getattr(info, BOUND, None), getattr(other, BOUND, None)
+    setattr(info, BOUND, None if a is None or b is None else max(a, b))
+
+
+def _bound_copy(copy, info):
+    setattr(copy, BOUND, getattr(info, BOUND, None))
 
 
 def tpo_lm_head(self, hidden_states, lm_head, embedding_bias=None):
@@ -75,6 +113,7 @@ def tpo_sampler_forward(self, logits_output, sampling_info, return_logprob, top_
     logits = logits_output.next_token_logits
     top_k = sampling_info.top_ks if sampling_info.need_top_k_sampling else None
     truncating = truncates(sampling_info)
+    bound = getattr(sampling_info, BOUND, None)  # None (a batch SGLang built another way): the sort
     want_top = return_logprob and (any(x > 0 for x in top_logprobs_nums or ())
                                    or any(x is not None for x in token_ids_logprobs or ()))
     ids, lp, dist = sample(
@@ -82,7 +121,7 @@ def tpo_sampler_forward(self, logits_output, sampling_info, return_logprob, top_
         top_k=top_k,
         top_p=sampling_info.top_ps if truncating else None,
         min_p=sampling_info.min_ps if truncating and sampling_info.need_min_p_sampling else None,
-        need_dist=want_top, truncating=truncating)
+        need_dist=want_top, truncating=truncating, bound=bound if truncating else None)
     ids = ids.to(torch.int32)
     if return_logprob:
         if want_top:
@@ -170,7 +209,9 @@ def tpo_input_logprobs(self, pruned_states, sample_indices, input_logprob_indice
 def apply(policy) -> PatchRecord:
     reps = [wrap(LM_HEAD, replacing(tpo_lm_head)), wrap(SAMPLER, replacing(tpo_sampler_forward)),
             wrap(LOGPROBS_ONLY, replacing(tpo_compute_logprobs_only)),
-            wrap(INPUT_LOGPROBS, replacing(tpo_input_logprobs))]
+            wrap(INPUT_LOGPROBS, replacing(tpo_input_logprobs)),
+            wrap(INFO_FROM_BATCH, after(_bound_from_batch)), wrap(INFO_MERGE, after(_bound_merge)),
+            wrap(INFO_COPY, after(_bound_copy))]
     return PatchRecord.of("sampler", reps,
                        ["lm_head: fp32 logits from kernels.matmul",
                         "tokens drawn by kernels.sampling.sample from the fp32 log_softmax(logits / T) they are "

@@ -40,16 +40,18 @@ def test_truncating_comes_from_the_host_flags(monkeypatch, flags, want):
     seen = {}
 
     def fake_sample(logits, temperature, seeds, positions, top_k=None, top_p=None, min_p=None,
-                    need_dist=False, truncating=None):
-        seen.update(top_k=top_k, truncating=truncating)
+                    need_dist=False, truncating=None, bound=None):
+        seen.update(top_k=top_k, truncating=truncating, bound=bound)
         rows = logits.shape[0]
         return torch.zeros(rows, dtype=torch.int64), torch.zeros(rows), None
 
     monkeypatch.setattr("true_on_policy.kernels.sampling.sample", fake_sample)
     info = _info(**flags)
+    setattr(info, seam.BOUND, 20)
     sampler = SimpleNamespace(_sync_token_ids_across_tp=lambda ids, info: None)
     out = SimpleNamespace(next_token_logits=torch.zeros(3, 16))
     seam.tpo_sampler_forward(sampler, out, info, False, None, None, torch.zeros(3, dtype=torch.int64))
     assert seen["truncating"] is want
     assert seam.truncates(info) is want
     assert (seen["top_k"] is info.top_ks) == bool(flags.get("top_k"))
+    assert seen["bound"] == (20 if want else None)  # the batch's host bound, only where it truncates

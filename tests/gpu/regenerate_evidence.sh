@@ -179,10 +179,10 @@ case $GROUP in
     run tier gpu-tier-decode-tiles tests/gpu/test_kernels_gpu.py \
       -k "decode_tiles or tma or grouped or moe or width_1 or seg_tree or split_planes or tree_flat"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json" ;;&
-  truncselect)  # issue 37: the selection kernel against the sort, bitwise (truncate; sample and the trainer with the
-    # switch on and off at batches 1-256; a CUDA-graph replay of sample with it on), then its speed alone and in sample,
-    # and the fraction of a batch-256 decode step it takes: what decides kernels.sampling.SELECT_ON_CUDA
-    run tier gpu-tier-truncselect tests/gpu/test_truncation_select_gpu.py
+  truncselect)  # issue 37: the selection kernel and the top-k form against the sort, bitwise (truncate; sample and the
+    # trainer with the switch on and off and with and without the host bound at batches 1-256; CUDA-graph replays), then
+    # the speed of the three alone and in sample, and the fraction of a batch-256 decode step the sampler's form takes
+    run tier gpu-tier-truncselect tests/gpu/test_truncation_select_gpu.py tests/gpu/test_truncation_top_gpu.py
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/truncation.py --batches 1 16 64 256 --step-ms 28.0 \
       --out "$E/bench-truncation.json" ;;&
   tp2)
@@ -225,7 +225,7 @@ case $GROUP in
       --shape 16x96 4x1024 --repeats 3 --out "$E/trainer-backward-a3b6.json"
     part tests && run tier gpu-tier-colocated tests/gpu/test_ray_gpu.py tests/gpu/test_megatron_gpu.py \
       tests/gpu/test_colocated_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|truncselect|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|decodetiles|truncselect|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc

@@ -1,0 +1,100 @@
+"""GPU tier: truncation by torch's top-k (``truncate(..., bound=b)``) equals the sort bitwise at the
+real vocabulary, in the sampler, the trainer and a CUDA graph.
+
+Rows are the sampler's own log-probs of flat logits (many tokens near every cut) and peaked ones,
+V = 151 936, batches of 1 .. 256 rows, top_k at most the bound with top_p / min_p mixed in and
+untruncated and greedy rows among them, in SGLang's tensor forms. Asserted bitwise: the whole fp32
+logq; ``sample``'s ids, log-probs and distribution with the bound == without (the sort); the
+trainer's ``truncated_token_logprobs`` with a scalar top_k (the top-k form) == the sampler's sort,
+and with a tensor top_k (the sort) == the sampler's top-k form; ``sample`` with the bound captured
+in a CUDA graph and replayed == eager, with no host synchronisation. Speed: ``benchmarks/truncation.py``.
+"""
+
+import pytest
+from test_truncation_select_gpu import V, _assert_ids, _assert_same, _draw_case, _logp, _sort
+
+pytestmark = pytest.mark.gpu
+
+
+def _bounded(rows, seed, bound):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(1, bound + 1, (rows,), generator=g, dtype=torch.int32)
+    p = torch.tensor([0.5, 0.9, 0.95, 1.0])[torch.randint(0, 4, (rows,), generator=g)]
+    mp = torch.tensor([0.0, 0.0, 0.05, 0.3])[torch.randint(0, 4, (rows,), generator=g)]
+    plain = torch.rand(rows, generator=g) < 0.2  # no top_k, top_p 1, min_p 0: untruncated
+    k[plain], p[plain], mp[plain] = V, 1.0, 0.0
+    return k.cuda(), p.float().cuda(), mp.float().cuda()
+
+
+@pytest.mark.parametrize("bound", [1, 20, 1024])
+@pytest.mark.parametrize("kind", ["flat", "peaked"])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 255, 256])
+def test_top_k_equals_the_sort_bitwise(rows, kind, bound, gpu_evidence):
+    from true_on_policy.kernels.sampling import select_truncation, truncate
+
+    logp = _logp(kind, rows, rows * 13 + bound)
+    params = _bounded(rows, rows + bound, bound)
+    with select_truncation(False):
+        top = truncate(logp, *params, bound=bound)
+    _assert_same(top, _sort(logp, *params), f"{rows} rows, {kind}, bound {bound}")
+    gpu_evidence.append({"test": "truncation_top_eq_sort", "rows": rows, "kind": kind, "bound": bound})
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 256])
+def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, gpu_evidence):
+    from true_on_policy.kernels.sampling import sample, select_truncation, truncated_token_logprobs
+
+    logits, temp, seeds, pos, (k, p, mp), (top_k, top_p, min_p) = _draw_case(kind, "qwen", rows, rows * 7)
+    with select_truncation(False):
+        sort = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True)
+        top = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True, bound=top_k)
+        what = f"{rows} rows, {kind}"
+        _assert_ids(top[0], sort[0], f"sample ids, {what}")
+        _assert_same(top[1], sort[1], f"sample log-probs, {what}")
+        _assert_same(top[2], sort[2], f"sample dist, {what}")
+        scalar = truncated_token_logprobs(logits, top[0], temp, top_k, top_p, min_p)  # infers the bound
+        tensor = truncated_token_logprobs(logits, top[0], temp, k, p, mp)  # the sort
+    _assert_same(scalar, sort[1], f"trainer (top-k) == sampler (sort), {what}")
+    _assert_same(tensor, top[1], f"trainer (sort) == sampler (top-k), {what}")
+    gpu_evidence.append({"test": "truncation_top_sample_trainer", "rows": rows, "kind": kind})
+
+
+@pytest.mark.parametrize("rows", [64, 256])
+def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, gpu_evidence):
+    import torch
+    from true_on_policy.kernels.sampling import sample, select_truncation
+
+    def case(kind, seed):
+        logits, temp, seeds, pos, _, _ = _draw_case(kind, "qwen", rows, seed)
+        return (logits, temp, seeds, pos, *_bounded(rows, seed, 50))
+
+    static = [t.clone() for t in case("flat", 5)]
+
+    def draw(bound=50):
+        lg, t, s, ps, kk, pp, mm = static
+        return sample(lg, t, s, ps, top_k=kk, top_p=pp, min_p=mm, truncating=True, bound=bound)
+
+    with select_truncation(False):
+        draw()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the draw raises
+        try:
+            draw()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_ids, g_lp, g_dist = draw()
+        for i, kind in enumerate(("flat", "peaked", "peaked")):
+            for dst, src in zip(static, case(kind, 100 + i), strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            ids, lp, dist = draw(None)  # eager, the sort
+            _assert_ids(g_ids, ids, f"graph (top-k) == eager sort, ids, replay {i}")
+            _assert_same(g_lp, lp, f"graph (top-k) == eager sort, log-probs, replay {i}")
+            _assert_same(g_dist, dist, f"graph (top-k) == eager sort, dist, replay {i}")
+    gpu_evidence.append({"test": "truncation_top_cuda_graph", "rows": rows, "replays": 3})
