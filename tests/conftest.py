@@ -14,6 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The interpreted kernel scripts (TRITON_INTERPRET=1, in subprocesses that inherit this environment)
+# compute the kernels' fp64 math with numpy. numpy's AVX-512 log is an ulp off torch's on some inputs,
+# which moved a truncated log-prob's last bit on AVX-512 machines only: its AVX-512 paths stay off
+# there (numpy accepts features the machine lacks in this list).
+os.environ.setdefault("NPY_DISABLE_CPU_FEATURES", "AVX512F AVX512CD AVX512_KNL AVX512_KNM AVX512_SKX AVX512_CLX "
+                      "AVX512_CNL AVX512_ICL AVX512_SPR")
+
 
 def _cuda() -> bool:
     try:

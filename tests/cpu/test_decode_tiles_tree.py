@@ -132,7 +132,7 @@ def test_seg_tiles_fit_shared_memory(monkeypatch):
 def test_split_keeps_the_fixed_segments_per_plane(monkeypatch):
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     for rows in ROWS:
-        for (name, s, role), cfg, pp, _ in tiles(rows, 132):
+        for (name, s, role), _, pp, _ in tiles(rows, 132):
             assert role != "split" or pp == mm.fixed_per_plane(s), (name, s, rows, pp)
 
 

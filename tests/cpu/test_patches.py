@@ -73,7 +73,7 @@ from true_on_policy.contract.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 34 and all(s['installed'] for s in syms), syms
+assert len(syms) == 37 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
