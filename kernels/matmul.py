@@ -343,10 +343,10 @@ def expert_groups(slots: int, experts: int) -> tuple[int, int]:
 
 
 # Whether decode row counts take decode_tile's tiles (and the grouped GEMMs their used-blocks launch)
-# where ``plain_decode`` / ``grouped_decode`` hold; off: the fixed tiles and tables above, with their launch. On by default only with the GPU tier's
-# evidence that every candidate tile is bitwise the pointer kernel (tests/gpu/test_kernels_gpu.py,
-# evidence/gpu-tier-decode-tiles) and benchmarks/decode_tiles.py's that it is faster
-# (evidence/bench-decode-tiles.json), both at the commit that sets it.
+# where ``plain_decode`` / ``grouped_decode`` hold; off: the fixed tiles and tables above, with their
+# launch. On by default only with the GPU tier's evidence that every candidate tile is bitwise the
+# pointer kernel (tests/gpu/test_kernels_gpu.py, evidence/gpu-tier-decode-tiles) and
+# benchmarks/decode_tiles.py's that it is faster where it applies (evidence/bench-decode-tiles.json).
 DECODE_TILES = True
 # Where the decode tiles apply: where their premise holds, that the GEMM streams each weight from HBM
 # about once. A plain or tree GEMM: while one row tile (DECODE_BM's largest) holds every row; more rows

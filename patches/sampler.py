@@ -19,9 +19,9 @@ logprobs and input logprobs. The contract:
 
 The truncation's host bound: SamplingBatchInfo's hooks for extensions (``adjusted_from_schedule_batch``,
 ``adjusted_merge_batch``) and ``copy_for_forward`` carry, beside SGLang's GPU tensors, one host int
-(``top_k_bound``): at least the top_k of every request of the batch that truncates (the vocabulary
-when one truncates by top_p or min_p alone). A filter keeps it (still a bound), a merge takes the
-larger. With it ``sample`` truncates by torch.topk instead of sorting the vocabulary, the same bits
+(``requests_top_k_bound``): at least the top_k of every request of the batch that truncates (the
+vocabulary when one truncates by top_p or min_p alone). A filter keeps it (still a bound), a merge
+takes the larger. With it ``sample`` truncates by torch.topk instead of sorting the vocabulary, the same bits
 (``kernels/sampling.truncate``), reading nothing back from the GPU.
 
 Parameters that change the logits before the sampler (penalties, logit bias, grammars, custom
@@ -41,10 +41,10 @@ INPUT_LOGPROBS = "sglang.srt.layers.logprob_processor.InputLogprobProcessor._for
 _INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
 INFO_FROM_BATCH, INFO_MERGE, INFO_COPY = (f"{_INFO}.adjusted_from_schedule_batch", f"{_INFO}.adjusted_merge_batch",
                                           f"{_INFO}.copy_for_forward")
-BOUND = "tpo_top_k_bound"  # the SamplingBatchInfo attribute that holds top_k_bound
+BOUND = "tpo_top_k_bound"  # the SamplingBatchInfo attribute that holds requests_top_k_bound
 
 
-def top_k_bound(params, vocab: int) -> int:
+def requests_top_k_bound(params, vocab: int) -> int:
     """At least the top_k of every request in ``params`` (SGLang's SamplingParams) that truncates
     under ``kernels/sampling.truncation_params``: top_k <= 0 or > vocab keeps the vocabulary, top_k 1
     is greedy and never truncates; a request truncates with 1 < top_k < vocab, top_p < 1 or min_p > 0
@@ -58,7 +58,7 @@ def top_k_bound(params, vocab: int) -> int:
 
 
 def _bound_from_batch(_, info, batch, vocab_size):
-    setattr(info, BOUND, top_k_bound([r.sampling_params for r in batch.reqs], vocab_size))
+    setattr(info, BOUND, requests_top_k_bound([r.sampling_params for r in batch.reqs], vocab_size))
 
 
 def _bound_merge(_, info, other):

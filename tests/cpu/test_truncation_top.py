@@ -4,7 +4,7 @@ that selects it.
 ``truncate(..., bound=b)`` (or a scalar top_k) takes ``torch.topk`` of b values instead of sorting
 the vocabulary when b <= TOP_WIDTH. It must give the sort's bits on every row: ties (the lower id
 first), -inf entries, every criterion cutting first, rows that do not truncate beside rows that do.
-The sampler seam gives the bound from the requests on the host (``patches.sampler.top_k_bound``),
+The sampler seam gives the bound from the requests on the host (``patches.sampler.requests_top_k_bound``),
 carried through SGLang's batch merges and copies, never read back from the GPU.
 """
 
@@ -86,7 +86,7 @@ def _params(top_k=-1, top_p=1.0, min_p=0.0):
     ([_params(top_k=1000, top_p=0.9)], 1000),
 ])
 def test_the_host_bound_covers_every_truncating_request(requests, want):
-    assert seam.top_k_bound(requests, 1000) == want
+    assert seam.requests_top_k_bound(requests, 1000) == want
 
 
 def test_the_bound_survives_merges_and_copies():
