@@ -59,7 +59,8 @@ def _params(rows: int, setting: str):
             torch.full((rows,), mp, dtype=torch.float32, device="cuda"))
 
 
-def _sort(logp, k, p, mp, bound=None):
+def _torch(logp, k, p, mp, bound=None):
+    """``truncate`` with the selection kernel off: the sort, or top-k where ``bound`` allows."""
     with select_truncation(False):
         return truncate(logp, k, p, mp, bound=bound)
 
@@ -74,10 +75,10 @@ def measure(rows: int, setting: str, reps: int, scale: float, block: int, ways: 
     g = torch.Generator(device="cuda").manual_seed(rows)
     logp = log_softmax_rows(torch.randn(rows, VOCAB, generator=g, device="cuda") * scale, 1.0)
     k, p, mp = _params(rows, setting)
-    sides = {"sort": lambda: _sort(logp, k, p, mp),
+    sides = {"sort": lambda: _torch(logp, k, p, mp),
              "select": lambda: truncate_select(logp, k, p, mp, block=block, ways=ways, num_warps=warps)}
     if bound_of(setting):
-        sides["top"] = lambda: _sort(logp, k, p, mp, bound_of(setting))
+        sides["top"] = lambda: _torch(logp, k, p, mp, bound_of(setting))
     want = sides["sort"]()
     same = all(torch.equal(fn(), want) for fn in sides.values())
     med = _alternate(sides, reps)
@@ -132,7 +133,7 @@ def sweep(rows: int, setting: str, reps: int, scale: float) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(rows)
     logp = log_softmax_rows(torch.randn(rows, VOCAB, generator=g, device="cuda") * scale, 1.0)
     k, p, mp = _params(rows, setting)
-    want = _sort(logp, k, p, mp)
+    want = _torch(logp, k, p, mp)
     out = []
     for block, ways, warps in SHAPES:
         fn = lambda b=block, w=ways, n=warps: truncate_select(logp, k, p, mp, block=b, ways=w, num_warps=n)

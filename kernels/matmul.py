@@ -334,6 +334,7 @@ def fill_width(widths, busy: int, n: int, sms: int) -> int:
     return next((b for b in widths if busy * triton.cdiv(n, b) >= PROGRAMS_PER_SM * sms), widths[-1])
 
 
+@functools.lru_cache(maxsize=4096)
 def expert_groups(slots: int, experts: int) -> tuple[int, int]:
     """(experts in use, rows per expert) when ``slots`` routed (token, expert) pairs fall uniformly
     on ``experts`` experts: the expected count of distinct experts, rounded; a speed estimate only

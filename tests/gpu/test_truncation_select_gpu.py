@@ -175,6 +175,24 @@ def test_switch_on_and_off_give_the_same_sample_and_trainer_bits(rows, setting, 
                          "kept_min": int(kept.min()), "kept_max": int(kept.max())})
 
 
+def _captured(draw):
+    """``draw()`` once outside the capture (compilation), once more with any host synchronisation
+    raising, then captured in a CUDA graph: (graph, the graph's outputs)."""
+    import torch
+
+    draw()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        draw()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = draw()
+    return graph, out
+
+
 @pytest.mark.parametrize("rows", [64, 256])
 def test_sample_with_the_switch_on_replays_in_a_cuda_graph(rows, gpu_evidence):
     import torch
@@ -188,16 +206,7 @@ def test_sample_with_the_switch_on_replays_in_a_cuda_graph(rows, gpu_evidence):
         return sample(lg, t, s, ps, top_k=kk, top_p=pp, min_p=mm, truncating=True)
 
     with select_truncation(True):
-        draw()  # compile outside the capture
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the draw raises
-        try:
-            draw()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_ids, g_lp, g_dist = draw()
+        graph, (g_ids, g_lp, g_dist) = _captured(draw)
         for i, kind in enumerate(("flat", "peaked", "peaked")):
             new = _draw_case(kind, "mixed", rows, 100 + i)
             for dst, src in zip(static, (*new[:4], *new[4]), strict=True):

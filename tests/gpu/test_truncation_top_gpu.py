@@ -11,7 +11,7 @@ in a CUDA graph and replayed == eager, with no host synchronisation. Speed: ``be
 """
 
 import pytest
-from test_truncation_select_gpu import V, _assert_ids, _assert_same, _draw_case, _logp, _sort
+from test_truncation_select_gpu import V, _assert_ids, _assert_same, _captured, _draw_case, _logp, _sort
 
 pytestmark = pytest.mark.gpu
 
@@ -78,16 +78,7 @@ def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, gpu_evidence):
         return sample(lg, t, s, ps, top_k=kk, top_p=pp, min_p=mm, truncating=True, bound=bound)
 
     with select_truncation(False):
-        draw()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the draw raises
-        try:
-            draw()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_ids, g_lp, g_dist = draw()
+        graph, (g_ids, g_lp, g_dist) = _captured(draw)  # no host synchronisation in the draw
         for i, kind in enumerate(("flat", "peaked", "peaked")):
             for dst, src in zip(static, case(kind, 100 + i), strict=True):
                 dst.copy_(src)
