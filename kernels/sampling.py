@@ -34,8 +34,11 @@ caller knows on the host that every truncating row keeps at most TOP_WIDTH token
 values are the sort's, whatever its tie order; the kept ids are read off by value and id:
 ``_truncate_top``); and the selection kernel of ``kernels/truncation.py`` (no sort; exact integer
 counts and sums). ``truncate`` picks one (``SELECT_ON_CUDA``, ``select_truncation``, its
-``bound``); the rollout's ``sample`` and the trainer's ``truncated_token_logprobs`` both go through
-``truncate``.
+``bound``); the trainer's ``truncated_token_logprobs`` goes through ``truncate``. The rollout's
+``sample`` does too when it returns the distribution (top log-probs asked) or has no host bound;
+otherwise it takes the top-k rule's cut alone (``_top_cut``: the last kept value, the last kept id
+among the ties at it, the log of the kept mass) and the draw kernel forms each logq from it, so no
+[rows, vocab] pass but the draw's own reads the logits.
 """
 
 from __future__ import annotations
@@ -164,12 +167,16 @@ def _gumbel32(h):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST_IDX, stride_v, stride_l,
-                          SHARD, VOCAB, ERR, FROM_LOGITS: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST_IDX, NEED, EDGE, EDGE_ID, LOG_TOTAL,
+                          stride_v, stride_l, SHARD, VOCAB, ERR, FROM_LOGITS: tl.constexpr, TRUNC: tl.constexpr,
+                          BLOCK: tl.constexpr):
     """One (row, shard): the shard's best fp64 score and the lowest id attaining it ((-inf, 0) when
     no score beats -inf). Scores: fp64(x) + g, x = logq (``VALS``) or, with FROM_LOGITS,
-    logp = logits / T - lse computed here; greedy rows: fp32 logits. The fp64 scores are computed
-    only in chunks the fp32 estimate cannot rule out (see GUMBEL_ERR)."""
+    logp = logits / T - lse computed here; greedy rows: fp32 logits. With TRUNC (and FROM_LOGITS)
+    rows whose NEED is set draw from logq formed here by ``_truncate_top``'s rule from the row's cut
+    (``_top_cut``): kept are logp > EDGE and logp == EDGE at ids <= EDGE_ID, each
+    fp32(fp64(logp) - LOG_TOTAL), the rest -inf. The fp64 scores are computed only in chunks the
+    fp32 estimate cannot rule out (see GUMBEL_ERR)."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     seed = tl.load(SEED + row)
@@ -180,6 +187,11 @@ def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST
     h0 = _mix(h0, pos)
     T = tl.load(TEMP + row)
     lse = tl.load(LSE + row)
+    if TRUNC:
+        need = tl.load(NEED + row) != 0
+        edge = tl.load(EDGE + row)
+        edge_id = tl.load(EDGE_ID + row)
+        log_total = tl.load(LOG_TOTAL + row)
     est_max = tl.full([], float("-inf"), tl.float32)
     best = tl.full([], float("-inf"), tl.float64)
     best_i = tl.full([], 0, tl.int64)
@@ -190,6 +202,10 @@ def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST
         logit = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if FROM_LOGITS:
             x = tl.math.div_rn(logit, T) - lse
+            if TRUNC:
+                keep = (x > edge) | ((x == edge) & (cols.to(tl.int64) <= edge_id))
+                q = tl.where(keep, (x.to(tl.float64) - log_total).to(tl.float32), float("-inf"))
+                x = tl.where(need, q, x)
         else:
             x = tl.load(VALS + row * stride_v + cols, mask=ok, other=float("-inf"))
         h = _noise_hash(h0, cols)
@@ -371,6 +387,60 @@ def _truncate_top(logp, k, p, mp, need, width):
     return torch.where(need[:, None], logq, logp)
 
 
+@triton.jit
+def _edge_id_kernel(LOGITS, TEMP, LSE, EDGE, ROOM, COMPLETE, EDGE_ID, stride_l, VOCAB, BLOCK: tl.constexpr):
+    """One row whose cut ``_top_cut`` could not place from topk's ids (COMPLETE == 0): EDGE_ID =
+    the ROOM-th lowest id v with logits[v] / T - lse == EDGE, scanning the vocabulary in id order
+    (a running count of the ties and an inclusive scan within each chunk). Complete rows: nothing."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(COMPLETE + row) == 0:
+        T = tl.load(TEMP + row)
+        lse = tl.load(LSE + row)
+        edge = tl.load(EDGE + row)
+        room = tl.load(ROOM + row)
+        seen = tl.full([], 0, tl.int64)
+        found = tl.full([], 9223372036854775807, tl.int64)
+        for start in range(0, VOCAB, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < VOCAB
+            logit = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+            tie = ok & ((tl.math.div_rn(logit, T) - lse) == edge)
+            rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
+            found = tl.minimum(found, tl.min(tl.where(tie & (rank == room), cols.to(tl.int64),
+                                                      9223372036854775807), axis=0))
+            seen += tl.sum(tie.to(tl.int64), axis=0)
+        tl.store(EDGE_ID + row, found)
+
+
+def _top_cut(logits, temp, lse, k, p, mp, width):
+    """The truncation of ``_truncate_top`` as a cut instead of a [rows, vocab] logq, from ``torch.topk``
+    of the logits: (edge fp32, edge_id int64, log_total fp64), each [rows], such that row r keeps
+    exactly the ids v with logp_v > edge, or logp_v == edge and v <= edge_id, as
+    fp32(fp64(logp_v) - log_total). Every row that truncates must have top_k <= ``width``.
+
+    logp = logits / T - lse is monotone in the logits (IEEE division by T > 0 and subtraction round
+    monotonically), so the first ``width`` + 1 values of logp's order are those of the top logits,
+    mapped. They decide kept and the mass (``_cut``), the last kept value (edge) and how many of the
+    values equal to it are kept (room: the lowest ids first). When a value below the edge is among
+    them, every id whose logp equals the edge is among topk's ids, and the room-th lowest of those is
+    edge_id; otherwise the ties may reach past topk's width, and ``_edge_id_kernel`` scans the row.
+    Nothing is read back to the host."""
+    rows, vocab = logits.shape
+    w = min(width + 1, vocab)
+    vals, idx = torch.topk(logits, w, dim=-1, largest=True, sorted=True)
+    srt = vals.float() / temp[:, None] - lse[:, None]  # log_softmax_rows's form: the same bits
+    kept, total = _cut(srt, k, p, mp, vocab)
+    edge = srt.gather(1, (kept - 1)[:, None])
+    room = kept[:, None] - (srt > edge).sum(dim=-1, keepdim=True)  # >= 1: the edge itself is kept
+    ties = torch.where(srt == edge, idx, vocab).sort(dim=-1).values
+    edge_id = ties.gather(1, room - 1)[:, 0].contiguous()
+    complete = (srt[:, -1:] < edge) | (edge == float("-inf")) | (w == vocab)  # -inf ties: -inf either way
+    if rows:
+        _edge_id_kernel[(rows,)](logits, temp, lse, edge[:, 0].contiguous(), room[:, 0].contiguous(),
+                                 complete[:, 0].to(torch.int8), edge_id, logits.stride(0), vocab, BLOCK=DRAW_BLOCK)
+    return edge[:, 0].contiguous(), edge_id, torch.log(total)[:, 0].contiguous()
+
+
 def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: torch.Tensor,
            top_k=None, top_p=None, min_p=None, need_dist: bool = False, truncating: bool | None = None,
            bound: int | None = None):
@@ -379,10 +449,12 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     logits fp32 [rows, vocab] (full vocabulary; rows may be strided), temperature float or fp32
     [rows], seeds int [rows], positions int [rows], top_k/top_p/min_p None, scalars or [rows].
     Returns (ids int64 [rows], logprobs fp32 [rows], dist) where dist is the fp32 [rows, vocab]
-    distribution drawn from (logq) when truncation was applied or ``need_dist``, else None.
+    distribution drawn from (logq) when ``need_dist``, or when truncation took a full-row form (no
+    ``bound`` of at most TOP_WIDTH, or the selection kernel), else None.
     ``truncating=False`` (the caller knows no row has 1 < top_k < vocab, top_p < 1 or min_p > 0)
     skips the truncation; ``None`` infers it from whether any of top_k/top_p/min_p was given.
-    ``bound``: ``truncate``'s (None: from a scalar top_k).
+    ``bound``: ``truncate``'s (None: from a scalar top_k); with one of at most TOP_WIDTH and no
+    ``need_dist`` the draw forms logq from the rows' cuts (``_top_cut``), the same bits.
     """
     rows, vocab = logits.shape
     device = logits.device
@@ -394,12 +466,15 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
         k = p = mp = None
         greedy = torch.zeros(rows, dtype=torch.int8, device=device)
     else:
-        k, p, mp, _ = truncation_params(rows, vocab, device, top_k, top_p, min_p)
+        k, p, mp, need = truncation_params(rows, vocab, device, top_k, top_p, min_p)
         greedy = (k == 1).to(torch.int8)
     if truncating is None:
         truncating = top_k is not None or top_p is not None or min_p is not None
-    dist = None
-    if truncating or need_dist:
+    dist = cut = None
+    if truncating and k is not None and not need_dist and bound is not None and bound <= TOP_WIDTH \
+            and not selects(logits):  # the draw forms logq itself from the row's cut: no [rows, vocab] pass
+        cut = (need.to(torch.int8), *_top_cut(logits, temp, lse, k, p, mp, max(int(bound), 1)))
+    elif truncating or need_dist:
         dist = logits.float() / temp[:, None] - lse[:, None]
         if truncating:
             dist = truncate(dist, k, p, mp, bound=bound)
@@ -410,13 +485,17 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
         _gumbel_argmax_kernel[(rows, SHARDS)](
             vals, logits, temp, lse, seeds.to(device=device, dtype=torch.int64).contiguous(),
             positions.to(device=device, dtype=torch.int64).contiguous(), greedy, best, best_idx,
-            vals.stride(0), logits.stride(0), triton.cdiv(vocab, SHARDS), vocab, GUMBEL_ERR,
-            FROM_LOGITS=dist is None, BLOCK=DRAW_BLOCK)
+            *(cut or (greedy, temp, best_idx, best)), vals.stride(0), logits.stride(0), triton.cdiv(vocab, SHARDS),
+            vocab, GUMBEL_ERR, FROM_LOGITS=dist is None, TRUNC=cut is not None, BLOCK=DRAW_BLOCK)
     ids = best_idx.gather(1, torch.argmax(best, dim=1, keepdim=True))[:, 0]
     if dist is not None:
         lp = dist.gather(1, ids[:, None])[:, 0]
     else:
         lp = finish(stats, token_z(logits, ids, temp))
+    if cut is not None:  # the drawn token's logq, by the kernel's rule
+        need, edge, edge_id, log_total = cut
+        keep = (lp > edge) | ((lp == edge) & (ids <= edge_id))
+        lp = torch.where(need != 0, torch.where(keep, (lp.double() - log_total).float(), float("-inf")), lp)
     return ids, lp, dist
 
 

@@ -61,7 +61,8 @@ def test_draw_equals_independent_reimplementation_and_report_is_the_drawn_value(
     assert torch.equal(lp, logq.gather(1, ids[:, None])[:, 0])  # reported == the value drawn with
     if trunc:
         assert torch.equal(lp, truncated_token_logprobs(logits, ids, temp, **kw))  # the trainer's function
-        assert torch.equal(dist, logq)
+        full = sample(logits, temp, seeds, pos, need_dist=True, **kw)  # top log-probs asked: logq formed
+        assert torch.equal(full[0], ids) and torch.equal(full[1], lp) and torch.equal(full[2], logq)
     else:
         assert torch.equal(lp, token_logprobs(logits, ids, temp))  # the trainer's kernel
     assert torch.isfinite(lp).all()

@@ -110,7 +110,10 @@ def _draw_case(kind, setting, rows, seed):
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(rows, V, generator=g, device="cuda") * (0.05 if kind == "flat" else 4.0)
+    if kind == "ties":  # four values: every cut falls inside a tie far wider than any top_k
+        logits = torch.randint(0, 4, (rows, V), generator=g, device="cuda").float() * 0.5
+    else:
+        logits = torch.randn(rows, V, generator=g, device="cuda") * (0.05 if kind == "flat" else 4.0)
     temp = torch.rand(rows, generator=g, device="cuda") + 0.5
     seeds = torch.randint(-2 ** 62, 2 ** 62, (rows,), generator=g, device="cuda")
     pos = torch.randint(0, 40000, (rows,), generator=g, device="cuda")

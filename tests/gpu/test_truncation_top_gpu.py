@@ -1,13 +1,16 @@
-"""GPU tier: truncation by torch's top-k (``truncate(..., bound=b)``) equals the sort bitwise at the
+"""GPU tier: truncation by torch's top-k (``truncate(..., bound=b)``) and the sampler's cut form
+(``sample`` with the bound: the draw forms logq from the row's cut) equal the sort bitwise at the
 real vocabulary, in the sampler, the trainer and a CUDA graph.
 
-Rows are the sampler's own log-probs of flat logits (many tokens near every cut) and peaked ones,
-V = 151 936, batches of 1 .. 256 rows, top_k at most the bound with top_p / min_p mixed in and
-untruncated and greedy rows among them, in SGLang's tensor forms. Asserted bitwise: the whole fp32
-logq; ``sample``'s ids, log-probs and distribution with the bound == without (the sort); the
+Rows are the sampler's own log-probs of flat logits (many tokens near every cut), peaked ones and
+tied ones (four values: every cut inside a tie wider than topk's width, where the scan kernel
+places it), V = 151 936, batches of 1 .. 256 rows, top_k at most the bound with top_p / min_p mixed
+in and untruncated and greedy rows among them, in SGLang's tensor forms. Asserted bitwise: the
+whole fp32 logq; ``sample``'s ids and log-probs with the bound (the cut form, and top-k forming the
+distribution when top log-probs are asked) == without (the sort), and that distribution; the
 trainer's ``truncated_token_logprobs`` with a scalar top_k (the top-k form) == the sampler's sort,
-and with a tensor top_k (the sort) == the sampler's top-k form; ``sample`` with the bound captured
-in a CUDA graph and replayed == eager, with no host synchronisation. Speed: ``benchmarks/truncation.py``.
+and with a tensor top_k (the sort) == the sampler's cut form; ``sample`` with the bound captured in
+a CUDA graph and replayed == eager, with no host synchronisation. Speed: ``benchmarks/truncation.py``.
 """
 
 import pytest
@@ -42,7 +45,7 @@ def test_top_k_equals_the_sort_bitwise(rows, kind, bound, gpu_evidence):
     gpu_evidence.append({"test": "truncation_top_eq_sort", "rows": rows, "kind": kind, "bound": bound})
 
 
-@pytest.mark.parametrize("kind", ["flat", "peaked"])
+@pytest.mark.parametrize("kind", ["flat", "peaked", "ties"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 256])
 def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, gpu_evidence):
     from true_on_policy.kernels.sampling import sample, select_truncation, truncated_token_logprobs
@@ -50,15 +53,19 @@ def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, gpu_eviden
     logits, temp, seeds, pos, (k, p, mp), (top_k, top_p, min_p) = _draw_case(kind, "qwen", rows, rows * 7)
     with select_truncation(False):
         sort = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True)
-        top = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True, bound=top_k)
+        top = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True, bound=top_k,
+                     need_dist=True)  # top-k forming the [rows, vocab] logq (top log-probs asked)
+        cut = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True, bound=top_k)
         what = f"{rows} rows, {kind}"
-        _assert_ids(top[0], sort[0], f"sample ids, {what}")
-        _assert_same(top[1], sort[1], f"sample log-probs, {what}")
+        for name, got in (("top-k", top), ("cut", cut)):
+            _assert_ids(got[0], sort[0], f"sample ids, {name}, {what}")
+            _assert_same(got[1], sort[1], f"sample log-probs, {name}, {what}")
         _assert_same(top[2], sort[2], f"sample dist, {what}")
+        assert cut[2] is None  # the cut form: the draw forms logq itself
         scalar = truncated_token_logprobs(logits, top[0], temp, top_k, top_p, min_p)  # infers the bound
         tensor = truncated_token_logprobs(logits, top[0], temp, k, p, mp)  # the sort
     _assert_same(scalar, sort[1], f"trainer (top-k) == sampler (sort), {what}")
-    _assert_same(tensor, top[1], f"trainer (sort) == sampler (top-k), {what}")
+    _assert_same(tensor, cut[1], f"trainer (sort) == sampler (cut), {what}")
     gpu_evidence.append({"test": "truncation_top_sample_trainer", "rows": rows, "kind": kind})
 
 
@@ -78,14 +85,13 @@ def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, gpu_evidence):
         return sample(lg, t, s, ps, top_k=kk, top_p=pp, min_p=mm, truncating=True, bound=bound)
 
     with select_truncation(False):
-        graph, (g_ids, g_lp, g_dist) = _captured(draw)  # no host synchronisation in the draw
-        for i, kind in enumerate(("flat", "peaked", "peaked")):
+        graph, (g_ids, g_lp, _) = _captured(draw)  # the cut form; no host synchronisation in the draw
+        for i, kind in enumerate(("flat", "peaked", "peaked", "ties")):
             for dst, src in zip(static, case(kind, 100 + i), strict=True):
                 dst.copy_(src)
             graph.replay()
             torch.cuda.synchronize()
-            ids, lp, dist = draw(None)  # eager, the sort
-            _assert_ids(g_ids, ids, f"graph (top-k) == eager sort, ids, replay {i}")
-            _assert_same(g_lp, lp, f"graph (top-k) == eager sort, log-probs, replay {i}")
-            _assert_same(g_dist, dist, f"graph (top-k) == eager sort, dist, replay {i}")
-    gpu_evidence.append({"test": "truncation_top_cuda_graph", "rows": rows, "replays": 3})
+            ids, lp, _ = draw(None)  # eager, the sort
+            _assert_ids(g_ids, ids, f"graph (cut) == eager sort, ids, replay {i} ({kind})")
+            _assert_same(g_lp, lp, f"graph (cut) == eager sort, log-probs, replay {i} ({kind})")
+    gpu_evidence.append({"test": "truncation_top_cuda_graph", "rows": rows, "replays": 4})

@@ -105,15 +105,17 @@ def variant_label(d: dict, variant: str) -> str:
 
 
 def throughput_rows(docs):
-    head = ["geometry", "client", "prefix cache", "new tokens", "complete", "median tok/s (x stock)", *TAIL]
+    head = ["geometry", "client", "prefix cache", "new tokens", "complete", "median tok/s (x fastest stock)", *TAIL]
     rows = []
     for rel, d in docs:
         parts = []
-        for r in d.get("rows") or []:
+        per_workload = d.get("results") if isinstance(d.get("results"), dict) else {}
+        for workload, r in [(None, r) for r in d.get("rows") or []] + [
+                (w, r) for w, res in per_workload.items() for r in (res or {}).get("rows") or []]:
             ratio = r.get("ratio_vs_fastest_stock", r.get("ratio_vs_stock"))
             value = "not run" if r.get("median") is None else f"{r['median']:,.0f}" + (
                 "" if ratio is None else f" ({ratio:.2f}x)")
-            parts.append(f"{variant_label(d, r.get('variant'))} {value}")
+            parts.append(("" if workload is None else f"{workload}: ") + f"{variant_label(d, r.get('variant'))} {value}")
         rows.append([d.get("geometry", "–"), d.get("client") or "engine", d.get("prefix_cache") or "–",
                      d.get("new_tokens", "–"), "yes" if d.get("complete") else "no", "; ".join(parts),
                      *provenance_cells(d, rel)])

@@ -20,7 +20,13 @@ from true_on_policy.kernels.logprobs import (  # noqa: E402
     token_logprobs_reference,
     token_z,
 )
-from true_on_policy.kernels.sampling import log_softmax_rows, sample, sample_reference, truncated_token_logprobs  # noqa: E402
+from true_on_policy.kernels.sampling import (  # noqa: E402
+    log_softmax_rows,
+    sample,
+    sample_reference,
+    truncate,
+    truncated_token_logprobs,
+)
 
 g = torch.Generator().manual_seed(21)
 assert shard_size(151936) == 151936 // 8 and shard_size(3001) == 376 and shard_size(5) == 1
@@ -58,7 +64,8 @@ for V, R in ((3001, 9), (151936, 2), (5, 4), (57, 4), (49, 3), (1, 2)):
     ids_s, slp_s, _ = sample(padded[:, :V], temp, seeds, pos)
     assert torch.equal(ids_s, ids) and torch.equal(slp_s, slp), (V, "strided sampler")
     if V > 20:
-        ti, tlp, logq = sample(logits, temp, seeds, pos, top_k=20, top_p=0.9)
+        ti, tlp, _ = sample(logits, temp, seeds, pos, top_k=20, top_p=0.9)  # the cut form (a scalar top_k)
+        logq = truncate(logp, 20, 0.9)
         assert torch.equal(tlp, truncated_token_logprobs(logits, ti, temp, 20, 0.9)), V
         assert torch.equal(ti, sample_reference(logq, logits, seeds, pos, torch.zeros(R, dtype=torch.bool))), V
 
