@@ -243,6 +243,11 @@ class Run:
         steps = min(wl.WARM_CAP, max(self.draws[w].new_tokens))
         return PASS_MARGIN * (max(seen) if seen else steps * self._step_s())
 
+    def round_estimate(self, v: str, r: int) -> float:
+        """Seconds of variant ``v``'s warm-ups and missing passes through round ``r``."""
+        return sum(self.warm_estimate(w) + ((r + 1) * self.per_round(w) - len(self.passes[w][v])) * self.pass_estimate(w)
+                   for w in self.missing(v, r))
+
     def add_start(self, var) -> None:
         rec = {**(var.engine or {}), "contract": variant_contract(var.name),
                "start_s": None if getattr(var, "start_s", None) is None else round(var.start_s, 1)}
@@ -282,8 +287,11 @@ def _start(run: Run, v: str, mem: float):
 
 
 def one_engine_rounds(run: Run) -> bool:
-    """One engine at a time; False when the time budget stopped it."""
+    """One engine at a time; False when the time budget stopped it. Once a call has started an
+    engine, it starts the next only if that engine's whole round fits (else the next call would start
+    it again); the call's first start needs only its first pass to fit."""
     a, total = run.a, free_gib()
+    started = False
     for r in range(a.repeats):
         for v in a.variants:
             todo = run.missing(v, r)
@@ -291,6 +299,9 @@ def one_engine_rounds(run: Run) -> bool:
                 continue
             if not run.fits(run.start_estimate() + run.warm_estimate(todo[0]) + run.pass_estimate(todo[0])):
                 return False
+            if started and not run.fits(run.start_estimate() + run.round_estimate(v, r)):
+                return False
+            started = True
             var = _start(run, v, a.mem)
             if var is None:
                 wait_gpu_free(total)

@@ -503,6 +503,25 @@ def test_the_time_budget_stops_between_passes_and_resume_finishes_the_run(monkey
     assert len(starts_of) >= 2 and len(d["starts"]) > 4  # resumed variants started again
 
 
+def test_a_call_starts_no_engine_whose_round_would_not_finish_in_it(monkeypatch, tmp_path):
+    """Stand-ins: 10 s a start, a tail pass 25 s. After stock's round (66 s) tpo's would end past the
+    120 s budget: the call stops rather than start tpo, time its short workloads and leave the next
+    call to start it again. The next call starts tpo once and finishes the run."""
+    out = tmp_path / "t.json"
+    args = ["--geometry", "h3072e64k4", "--one-engine", "--repeats", "1", "--workload", "plain", "qwen", "tail",
+            "--variants", "stock", "tpo", "--prompts", "8", "--min-prompt", "4", "--max-prompt", "9",
+            "--new-tokens", "6", "--resume", "--time-budget", "120", "--out", str(out)]
+    _, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+    assert throughput.main(args) == throughput.EXIT_INCOMPLETE
+    assert starts == ["stock"] and clock["t"] < 120.0 - 10.0  # room for tpo's first pass, not for its round
+    _, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+    assert throughput.main(args) == 0 and starts == ["tpo"]
+    d = json.loads(out.read_text())
+    assert d["complete"] and len(d["starts"]) == 2
+    assert {p["start"] for w in d["results"].values() for r in w["rows"] if r["variant"] == "tpo"
+            for p in r["passes"]} == {1}
+
+
 def test_resume_continues_a_cut_run_and_refuses_another(monkeypatch, tmp_path):
     out = tmp_path / "t.json"
     args = ["--one-engine", "--repeats", "1", "--passes", "2", "--variants", "stock", "tpo_v1", "tpo",
