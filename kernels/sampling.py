@@ -493,25 +493,41 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     else:
         lp = finish(stats, token_z(logits, ids, temp))
     if cut is not None:  # the drawn token's logq, by the kernel's rule
-        need, edge, edge_id, log_total = cut
-        keep = (lp > edge) | ((lp == edge) & (ids <= edge_id))
-        lp = torch.where(need != 0, torch.where(keep, (lp.double() - log_total).float(), float("-inf")), lp)
+        lp = _cut_logq(lp, ids, *cut)
     return ids, lp, dist
+
+
+def _cut_logq(lp, ids, need, edge, edge_id, log_total):
+    """fp32 logq at ``ids`` from their logp (``lp``) and the rows' cuts (``_top_cut``): the draw
+    kernel's rule; rows without ``need`` keep logp."""
+    keep = (lp > edge) | ((lp == edge) & (ids <= edge_id))
+    return torch.where(need != 0, torch.where(keep, (lp.double() - log_total).float(), float("-inf")), lp)
 
 
 def truncated_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0,
                              top_k=None, top_p=None, min_p=None, bound: int | None = None) -> torch.Tensor:
     """The trainer's side of ``sample``: fp32 logq at ``tokens`` (bitwise the rollout's report, whatever
-    either side's ``bound``, ``truncate``'s: None infers it from a scalar top_k)."""
+    either side's ``bound``, ``truncate``'s: None infers it from a scalar top_k). With a bound of at
+    most TOP_WIDTH it takes the rows' cuts (``_top_cut``) and each token's logp instead of a
+    [rows, vocab] logq, as ``sample`` does: the same bits."""
     rows, vocab = logits.shape
     bound = top_k_bound(top_k, vocab) if bound is None else bound
     temp = temperatures(temperature, rows, logits.device)
-    k, p, mp, _ = truncation_params(rows, vocab, logits.device, top_k, top_p, min_p)
+    k, p, mp, need = truncation_params(rows, vocab, logits.device, top_k, top_p, min_p)
+    cut = bound is not None and bound <= TOP_WIDTH and not selects(logits)
     out = []
     for i in range(0, rows, ROW_CHUNK):
         sl = slice(i, i + ROW_CHUNK)
-        logq = truncate(log_softmax_rows(logits[sl], temp[sl]), k[sl], p[sl], mp[sl], bound=bound)
-        out.append(logq.gather(1, tokens[sl].long()[:, None])[:, 0])
+        tok = tokens[sl].long()
+        if cut:
+            stats = shard_stats(logits[sl], temp[sl], SHARDS)
+            lse = row_lse(stats)
+            lp = finish(stats, token_z(logits[sl], tok, temp[sl]))
+            edge, edge_id, log_total = _top_cut(logits[sl], temp[sl], lse, k[sl], p[sl], mp[sl], max(int(bound), 1))
+            out.append(_cut_logq(lp, tok, need[sl].to(torch.int8), edge, edge_id, log_total))
+        else:
+            logq = truncate(log_softmax_rows(logits[sl], temp[sl]), k[sl], p[sl], mp[sl], bound=bound)
+            out.append(logq.gather(1, tok[:, None])[:, 0])
     return torch.cat(out) if out else torch.empty(0, dtype=torch.float32, device=logits.device)
 
 

@@ -29,8 +29,8 @@ so the bits are the same; ``truncate_select_reference`` (torch, binary bisection
 
 ``kernels.sampling.truncate`` runs this kernel on CUDA tensors while ``SELECT_ON_CUDA`` is on
 (``select_truncation``), the sort otherwise; the rollout's ``sample`` and the trainer's
-``truncated_token_logprobs`` both call ``truncate``, so they take the same path in one process, and
-the same bits on either path.
+``truncated_token_logprobs`` both call ``truncate`` while the switch is on (their cut forms defer to
+it), so they take the same path in one process, and the same bits on every path.
 
 Invariance: row r's output depends only on row r's logp and (top_k, top_p, min_p). The kernel
 runs one program per row, reads the row in BLOCK-wide chunks, and reduces only by exact integer

@@ -8,7 +8,7 @@ places it), V = 151 936, batches of 1 .. 256 rows, top_k at most the bound with 
 in and untruncated and greedy rows among them, in SGLang's tensor forms. Asserted bitwise: the
 whole fp32 logq; ``sample``'s ids and log-probs with the bound (the cut form, and top-k forming the
 distribution when top log-probs are asked) == without (the sort), and that distribution; the
-trainer's ``truncated_token_logprobs`` with a scalar top_k (the top-k form) == the sampler's sort,
+trainer's ``truncated_token_logprobs`` with a scalar top_k (its cut form) == the sampler's sort,
 and with a tensor top_k (the sort) == the sampler's cut form; ``sample`` with the bound captured in
 a CUDA graph and replayed == eager, with no host synchronisation. Speed: ``benchmarks/truncation.py``.
 """
@@ -62,7 +62,7 @@ def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, gpu_eviden
             _assert_same(got[1], sort[1], f"sample log-probs, {name}, {what}")
         _assert_same(top[2], sort[2], f"sample dist, {what}")
         assert cut[2] is None  # the cut form: the draw forms logq itself
-        scalar = truncated_token_logprobs(logits, top[0], temp, top_k, top_p, min_p)  # infers the bound
+        scalar = truncated_token_logprobs(logits, top[0], temp, top_k, top_p, min_p)  # infers the bound: the cut
         tensor = truncated_token_logprobs(logits, top[0], temp, k, p, mp)  # the sort
     _assert_same(scalar, sort[1], f"trainer (top-k) == sampler (sort), {what}")
     _assert_same(tensor, cut[1], f"trainer (sort) == sampler (cut), {what}")

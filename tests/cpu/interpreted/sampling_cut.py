@@ -7,7 +7,8 @@ vocabulary, greedy and untruncated rows among truncating ones, two chunk widths 
 - the cut is the stable sort's: the last kept value, the id at the last kept place (the room-th
   lowest id of the edge's ties, found by the scan kernel where the ties reach past topk's width)
   and log(kept mass);
-- ids and log-probs equal the full-row form's (``need_dist``, the sort) and the trainer's;
+- ids and log-probs equal the full-row form's (``need_dist``, the sort) and the trainer's, whose
+  own cut form (``truncated_token_logprobs`` with the bound) gives the full form's logq at any token;
 - a row's draw does not depend on the rows beside it.
 """
 import sys
@@ -73,7 +74,14 @@ for kind, bound, blocks in CASES:
         assert len(calls) == 1 and fq is not None  # need_dist: the full-row form
         assert torch.equal(ids, fi), (what, block, ids, fi)
         assert torch.equal(lp, flp), (what, block, lp - flp)
-        assert torch.equal(lp, truncated_token_logprobs(logits, ids, temp, k, p, mp)), what
+        assert torch.equal(lp, truncated_token_logprobs(logits, ids, temp, k, p, mp)), what  # the sort
+        calls.clear()
+        if block == blocks[0]:  # the trainer's cut form, at the sampled tokens and at others
+            assert torch.equal(truncated_token_logprobs(logits, ids, temp, k, p, mp, bound=bound), lp), what
+            other = torch.randint(0, V, (R,), generator=g)
+            assert torch.equal(truncated_token_logprobs(logits, other, temp, k, p, mp, bound=bound),
+                               fq.gather(1, other[:, None])[:, 0]), what
+            assert calls == [bound, bound], calls
         assert torch.equal(ids[0], torch.argmax(logits[0])), what  # greedy
         n = 3  # a row's draw does not depend on its neighbours
         i2, l2, _ = sample(logits[n:].clone(), temp[n:], seeds[n:], pos[n:], top_k=k[n:], top_p=p[n:],
