@@ -412,11 +412,12 @@ def _edge_id_kernel(LOGITS, TEMP, LSE, EDGE, ROOM, COMPLETE, EDGE_ID, stride_l, 
         tl.store(EDGE_ID + row, found)
 
 
-def _top_cut(logits, temp, lse, k, p, mp, width):
+def _top_cut(logits, temp, lse, k, p, mp, need, width):
     """The truncation of ``_truncate_top`` as a cut instead of a [rows, vocab] logq, from ``torch.topk``
     of the logits: (edge fp32, edge_id int64, log_total fp64), each [rows], such that row r keeps
     exactly the ids v with logp_v > edge, or logp_v == edge and v <= edge_id, as
-    fp32(fp64(logp_v) - log_total). Every row that truncates must have top_k <= ``width``.
+    fp32(fp64(logp_v) - log_total). Every row that truncates (``need``) must have top_k <= ``width``;
+    the cut of a row that does not is never used (nor scanned for).
 
     logp = logits / T - lse is monotone in the logits (IEEE division by T > 0 and subtraction round
     monotonically), so the first ``width`` + 1 values of logp's order are those of the top logits,
@@ -434,7 +435,8 @@ def _top_cut(logits, temp, lse, k, p, mp, width):
     room = kept[:, None] - (srt > edge).sum(dim=-1, keepdim=True)  # >= 1: the edge itself is kept
     ties = torch.where(srt == edge, idx, vocab).sort(dim=-1).values
     edge_id = ties.gather(1, room - 1)[:, 0].contiguous()
-    complete = (srt[:, -1:] < edge) | (edge == float("-inf")) | (w == vocab)  # -inf ties: -inf either way
+    # -inf ties: -inf either way; rows that do not truncate: never read
+    complete = (srt[:, -1:] < edge) | (edge == float("-inf")) | (w == vocab) | ~need[:, None]
     if rows:
         _edge_id_kernel[(rows,)](logits, temp, lse, edge[:, 0].contiguous(), room[:, 0].contiguous(),
                                  complete[:, 0].to(torch.int8), edge_id, logits.stride(0), vocab, BLOCK=DRAW_BLOCK)
@@ -473,7 +475,7 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     dist = cut = None
     if truncating and k is not None and not need_dist and bound is not None and bound <= TOP_WIDTH \
             and not selects(logits):  # the draw forms logq itself from the row's cut: no [rows, vocab] pass
-        cut = (need.to(torch.int8), *_top_cut(logits, temp, lse, k, p, mp, max(int(bound), 1)))
+        cut = (need.to(torch.int8), *_top_cut(logits, temp, lse, k, p, mp, need, max(int(bound), 1)))
     elif truncating or need_dist:
         dist = logits.float() / temp[:, None] - lse[:, None]
         if truncating:
@@ -523,7 +525,8 @@ def truncated_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tempera
             stats = shard_stats(logits[sl], temp[sl], SHARDS)
             lse = row_lse(stats)
             lp = finish(stats, token_z(logits[sl], tok, temp[sl]))
-            edge, edge_id, log_total = _top_cut(logits[sl], temp[sl], lse, k[sl], p[sl], mp[sl], max(int(bound), 1))
+            edge, edge_id, log_total = _top_cut(logits[sl], temp[sl], lse, k[sl], p[sl], mp[sl], need[sl],
+                                                max(int(bound), 1))
             out.append(_cut_logq(lp, tok, need[sl].to(torch.int8), edge, edge_id, log_total))
         else:
             logq = truncate(log_softmax_rows(logits[sl], temp[sl]), k[sl], p[sl], mp[sl], bound=bound)

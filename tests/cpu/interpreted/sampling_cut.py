@@ -54,7 +54,7 @@ for kind, bound, blocks in CASES:
     kk, pp, mmp, need = truncation_params(R, V, "cpu", k, p, mp)
     t = temperatures(temp, R, "cpu")
     lse = row_lse(shard_stats(logits, t, S.SHARDS))
-    edge, edge_id, log_total = real_cut(logits, t, lse, kk, pp, mmp, bound)
+    edge, edge_id, log_total = real_cut(logits, t, lse, kk, pp, mmp, need, bound)
     srt, idx = torch.sort(log_softmax_rows(logits, temp), dim=-1, descending=True, stable=True)
     kept, total = _cut(srt, kk, pp, mmp, V)
     last = (kept - 1)[:, None]
