@@ -34,11 +34,12 @@ caller knows on the host that every truncating row keeps at most TOP_WIDTH token
 values are the sort's, whatever its tie order; the kept ids are read off by value and id:
 ``_truncate_top``); and the selection kernel of ``kernels/truncation.py`` (no sort; exact integer
 counts and sums). ``truncate`` picks one (``SELECT_ON_CUDA``, ``select_truncation``, its
-``bound``); the trainer's ``truncated_token_logprobs`` goes through ``truncate``. The rollout's
-``sample`` does too when it returns the distribution (top log-probs asked) or has no host bound;
-otherwise it takes the top-k rule's cut alone (``_top_cut``: the last kept value, the last kept id
-among the ties at it, the log of the kept mass) and the draw kernel forms each logq from it, so no
-[rows, vocab] pass but the draw's own reads the logits.
+``bound``). A fourth form serves the rollout's ``sample`` and the trainer's
+``truncated_token_logprobs`` where a bound of at most TOP_WIDTH is known (and, for ``sample``, no
+distribution is asked for: top log-probs): the top-k rule's cut alone (``_top_cut``: the last kept
+value, the last kept id among the values equal to it, the log of the kept mass), from which the draw
+kernel forms each logq as it reads the logits and the trainer each token's; no [rows, vocab] logq is
+formed. Elsewhere both go through ``truncate``.
 """
 
 from __future__ import annotations
