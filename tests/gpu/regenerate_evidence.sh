@@ -154,6 +154,8 @@ case $GROUP in
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
     # at a time, stock (and its flashinfer sampling for qwen) against both contracts; a line stops before its time
     # budget (TIME_BUDGET s, default 540) with exit 3 and "INCOMPLETE": run it again until the file is complete.
+    # WORKLOADS / VARIANTS narrow a space run (the file records what ran), SPACE_TAG names its file
+    # throughput-space-<g>-<tag>.json (a run at new code beside an earlier file).
     # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
     # allocation or host sync a contract's step adds to stock's (JSON + .md; PROFILE_TAG=before|after names the files;
     # each variant is kept once done, with the provenance of its own run: run it again after a time limit). --resume
@@ -164,9 +166,10 @@ case $GROUP in
     B="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks"
     for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
       if [ "$GROUP" = space ]; then
-        run $B/throughput.py --geometry "$g" --workload plain qwen tail long --variants stock stock_fi tpo tpo_v1 \
-          --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
-          --time-budget "${TIME_BUDGET:-540}" --out "$E/throughput-space-$g.json"
+        run $B/throughput.py --geometry "$g" --workload ${WORKLOADS:-plain qwen tail long} \
+          --variants ${VARIANTS:-stock stock_fi tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
+          --http --make-room --resume --time-budget "${TIME_BUDGET:-540}" \
+          --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else
         run $B/op_profile.py --geometry "$g" --batches 1 4 16 64 --workload plain qwen \
           --variants stock stock_fi tpo tpo_v1 --mem 0.85 --make-room --resume \
