@@ -361,6 +361,15 @@ def _cut(srt, k, p, mp, vocab):
     return kept, cum.gather(1, (kept - 1)[:, None]).double() * 2.0 ** -MASS_BITS
 
 
+def _edge(srt, k, p, mp, vocab):
+    """(edge, room, total), each [rows, 1], of the rule from the first values of each row's order
+    ``srt`` (``_cut``): the last kept value, how many of the values equal to it are kept (>= 1: the
+    edge itself; the lowest ids first) and the kept fp64 mass."""
+    kept, total = _cut(srt, k, p, mp, vocab)
+    edge = srt.gather(1, (kept - 1)[:, None])
+    return edge, kept[:, None] - (srt > edge).sum(dim=-1, keepdim=True), total
+
+
 def _truncate_rows(logp, k, p, mp, need):
     vocab = logp.shape[1]
     srt, idx = torch.sort(logp, dim=-1, descending=True, stable=True)
@@ -379,9 +388,7 @@ def _truncate_top(logp, k, p, mp, need, width):
     lowest ids (the stable sort's tie order), as many as the prefix holds. The same bits as the sort."""
     vocab = logp.shape[1]
     srt = torch.topk(logp, width, dim=-1, largest=True, sorted=True).values
-    kept, total = _cut(srt, k, p, mp, vocab)
-    edge = srt.gather(1, (kept - 1)[:, None])  # the last kept value
-    room = kept[:, None] - (srt > edge).sum(dim=-1, keepdim=True)  # kept places left for values == edge
+    edge, room, total = _edge(srt, k, p, mp, vocab)
     tie = logp == edge
     keep = (logp > edge) | (tie & (torch.cumsum(tie, dim=-1, dtype=torch.int32) <= room))
     logq = torch.where(keep, (logp.double() - torch.log(total)).float(), float("-inf"))
@@ -431,9 +438,7 @@ def _top_cut(logits, temp, lse, k, p, mp, need, width):
     w = min(width + 1, vocab)
     vals, idx = torch.topk(logits, w, dim=-1, largest=True, sorted=True)
     srt = vals.float() / temp[:, None] - lse[:, None]  # log_softmax_rows's form: the same bits
-    kept, total = _cut(srt, k, p, mp, vocab)
-    edge = srt.gather(1, (kept - 1)[:, None])
-    room = kept[:, None] - (srt > edge).sum(dim=-1, keepdim=True)  # >= 1: the edge itself is kept
+    edge, room, total = _edge(srt, k, p, mp, vocab)
     ties = torch.where(srt == edge, idx, vocab).sort(dim=-1).values
     edge_id = ties.gather(1, room - 1)[:, 0].contiguous()
     # -inf ties: -inf either way; rows that do not truncate: never read

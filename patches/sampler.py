@@ -21,8 +21,9 @@ The truncation's host bound: SamplingBatchInfo's hooks for extensions (``adjuste
 ``adjusted_merge_batch``) and ``copy_for_forward`` carry, beside SGLang's GPU tensors, one host int
 (``requests_top_k_bound``): at least the top_k of every request of the batch that truncates (the
 vocabulary when one truncates by top_p or min_p alone). A filter keeps it (still a bound), a merge
-takes the larger. With it ``sample`` truncates by torch.topk instead of sorting the vocabulary, the same bits
-(``kernels/sampling.truncate``), reading nothing back from the GPU.
+takes the larger. With it ``sample`` truncates from torch.topk's cut instead of sorting the vocabulary, the
+same bits (``kernels/sampling._top_cut``; ``truncate``'s top-k form where top log-probs are asked), reading
+nothing back from the GPU.
 
 Parameters that change the logits before the sampler (penalties, logit bias, grammars, custom
 processors, min_new_tokens) are refused per request before scheduling
