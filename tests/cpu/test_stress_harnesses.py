@@ -44,3 +44,20 @@ def test_fuzz_holds_every_bad_value_and_valid_bodies_pass_the_validator():
                                                                                             list):
             # an invalid body the JSON schema lets through must be caught by the validator
             assert found, body
+
+
+def test_stress_bounded_rounds_take_the_cut_form_and_mixed_rounds_a_full_row_form():
+    from true_on_policy.kernels.sampling import TOP_WIDTH
+
+    vocab = 151936
+    mixed = stress.draw_requests(random.Random(1), vocab, 20_000, 0)
+    bounded = stress.draw_requests(random.Random(1), vocab, 20_000, 1, bounded=True)
+    assert TOP_WIDTH < stress.round_bound(mixed, vocab) == vocab  # a full-row form serves some batch
+    assert 1 < stress.round_bound(bounded, vocab) <= max(stress.BOUNDED_TOP_K)  # every batch: the cut
+    truncating = [b["sampling_params"] for b in bounded if b["sampling_params"]["temperature"] > 0
+                  and stress.truncates({"top_k": -1, "top_p": 1.0, "min_p": 0.0, **b["sampling_params"]})]
+    assert len(truncating) > 50 and {s["top_k"] for s in truncating} == set(stress.BOUNDED_TOP_K)
+    assert {s["top_p"] for s in truncating} >= set(stress.TOP_P)
+    kinds = [stress.ROUND_KINDS[r % len(stress.ROUND_KINDS)] for r in range(4)]
+    weights = ["a", "b"] * 2
+    assert {(w, k) for w, k in zip(weights, kinds, strict=True)} == {(w, k) for w in "ab" for k in ("mixed", "bounded")}

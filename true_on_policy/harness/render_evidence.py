@@ -240,7 +240,10 @@ def summary(d: dict) -> str:
     if d.get("schema", "").startswith("true_on_policy.stress/"):
         cfg = d.get("config") or {}
         return (f"truncation stress, {cfg.get('geometry')}: {d.get('exact_tokens')}/{d.get('tokens')} tokens bitwise "
-                f"({d.get('truncated_tokens')} truncated), {cfg.get('rounds')} rounds with weight updates, "
+                f"({d.get('truncated_tokens')} truncated"
+                + (f", {d['truncated_tokens_in_cut_rounds']} in rounds the cut form served"
+                   if "truncated_tokens_in_cut_rounds" in d else "")
+                + f"), {cfg.get('rounds')} rounds with weight updates, "
                 f"{'passed' if d.get('passed') else 'FAILED'}")
     if d.get("schema", "").startswith("true_on_policy.robustness/"):
         ups = d.get("failed_updates") or []

@@ -5,7 +5,10 @@
 One ``--true-on-policy`` server. Each round sends requests with random arrival times and lengths,
 drawn from a seeded generator: T in {1.0, 0.7}, top_p in {0.5, 0.8, 0.9, 0.95, 0.99}, top_k in
 {-1, 5, 20, 50}, min_p in {0, 0.05}, mixed with untruncated and greedy rows, shared prefixes and
-n = 4 groups. Between rounds the server loads the other of two checkpoints of the geometry
+n = 4 groups. Rounds are of two kinds (``ROUND_KINDS``, cycled): in a ``mixed`` round some truncating
+requests keep the whole vocabulary (top_k -1), so their batches truncate by a full-row form; in a
+``bounded`` round every truncating request has top_k in {5, 20, 50} (as Qwen3's sampling does), so
+every batch's bound is at most 50 and the sampler draws through the cut form. Between rounds the server loads the other of two checkpoints of the geometry
 (``update_weights_from_disk``). Afterwards the patched transformers trainer recomputes every
 sampled token at the parameters the server reports it used (``meta_info.sampling_params_used``)
 under the weights of its round. Every token must be bitwise equal: one miss fails the run (exit 1).
@@ -25,6 +28,8 @@ from pathlib import Path
 SCHEMA = "true_on_policy.stress/1"
 TOP_P = (0.5, 0.8, 0.9, 0.95, 0.99)
 TOP_K = (-1, 5, 20, 50)
+BOUNDED_TOP_K = tuple(k for k in TOP_K if k > 0)
+ROUND_KINDS = ("mixed", "bounded", "bounded", "mixed")  # round r is ROUND_KINDS[r % 4]: each checkpoint sees both
 MIN_P = (0.0, 0.05)
 # a geometry of our own: no Qwen3 checkpoint has it (hidden 1536, 12 query / 4 KV heads of 128,
 # 64 experts top-6, moe_intermediate 512), with the real vocabulary so many tokens sit near a cut
@@ -50,8 +55,10 @@ def checkpoint_pair(geometry: str, root: str) -> tuple[str, str]:
                  for k, s in enumerate(pair))
 
 
-def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: int) -> list[dict]:
-    """Request bodies of one round whose max_new_tokens add up to at least ``target_tokens``."""
+def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: int,
+                  bounded: bool = False) -> list[dict]:
+    """Request bodies of one round whose max_new_tokens add up to at least ``target_tokens``;
+    ``bounded``: every truncating request's top_k is from BOUNDED_TOP_K."""
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(64, 256))] for _ in range(4)]
     out, total = [], 0
     while total < target_tokens:
@@ -61,7 +68,7 @@ def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: 
         elif kind < 0.25:
             sp = {"temperature": rng.choice((1.0, 0.7)), "top_k": -1, "top_p": 1.0, "min_p": 0.0}
         else:
-            sp = {"temperature": rng.choice((1.0, 0.7)), "top_p": rng.choice(TOP_P), "top_k": rng.choice(TOP_K),
+            sp = {"temperature": rng.choice((1.0, 0.7)), "top_p": rng.choice(TOP_P), "top_k": rng.choice(BOUNDED_TOP_K if bounded else TOP_K),
                   "min_p": rng.choice(MIN_P)}
         new = rng.choice((rng.randint(8, 64), rng.randint(64, 256), rng.randint(256, 512)))
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 200))]
@@ -74,6 +81,24 @@ def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: 
         out.append(body)
         total += new * n
     return out
+
+
+def round_bound(bodies: list[dict], vocab: int) -> int:
+    """The sampler's bound (patches/sampler.requests_top_k_bound) for any batch of these requests:
+    at most ``kernels.sampling.TOP_WIDTH`` and the draw takes the cut form."""
+    from types import SimpleNamespace
+
+    from true_on_policy.patches.sampler import requests_top_k_bound
+
+    sp = [b["sampling_params"] for b in bodies]
+    return requests_top_k_bound([SimpleNamespace(top_k=s.get("top_k", -1), top_p=s.get("top_p", 1.0),
+                                                 min_p=s.get("min_p", 0.0)) for s in sp if s["temperature"] > 0],
+                                vocab)
+
+
+def truncates(used: dict) -> bool:
+    """Whether a sample's resolved parameters (``meta_info.sampling_params_used``) truncate."""
+    return used["top_p"] < 1.0 or used["min_p"] > 0 or used["top_k"] not in (-1, 1)
 
 
 def send_round(server, bodies: list[dict], workers: int) -> list[dict]:
@@ -99,6 +124,7 @@ def run(args) -> dict:
     from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.contract import get_contract
     from true_on_policy.harness.http import Server, bitwise, trainer, trainer_logprobs
+    from true_on_policy.kernels.sampling import TOP_WIDTH
 
     a, b = checkpoint_pair(args.geometry, args.checkpoints)
     vocab = spec_of(args.geometry)["vocab_size"]
@@ -113,9 +139,11 @@ def run(args) -> dict:
                 up = server.post("/update_weights_from_disk", {"model_path": weights[r]})
                 if up.status_code != 200 or not up.json().get("success"):
                     raise RuntimeError(f"update to {weights[r]} failed: {up.text[:500]}")
-            bodies = draw_requests(rng, vocab, args.tokens // args.rounds, r)
+            kind = ROUND_KINDS[r % len(ROUND_KINDS)]
+            bodies = draw_requests(rng, vocab, args.tokens // args.rounds, r, bounded=kind == "bounded")
             samples = send_round(server, bodies, args.workers)
-            rounds.append({"weights": weights[r], "requests": len(bodies), "samples": samples})
+            rounds.append({"weights": weights[r], "kind": kind, "requests": len(bodies), "samples": samples,
+                           "top_k_bound": round_bound(bodies, vocab)})
         alive = server.alive()
     finally:
         server.stop()
@@ -139,20 +167,23 @@ def run(args) -> dict:
             u = s["used"]
             key = f"T={u['temperature']} top_k={u['top_k']} top_p={u['top_p']} min_p={u['min_p']}"
             settings[key] = settings.get(key, 0) + len(s["tokens"])
-        per_round.append({"round": i, "weights": Path(rd["weights"]).name, "requests": rd["requests"],
+        truncated = sum(len(s["tokens"]) for s in rd["samples"] if truncates(s["used"]))
+        per_round.append({"round": i, "kind": rd["kind"], "top_k_bound": rd["top_k_bound"],
+                          "truncated_tokens": truncated, "weights": Path(rd["weights"]).name, "requests": rd["requests"],
                           "samples": len(rd["samples"]), **stats, "tokens_by_setting": dict(sorted(settings.items()))})
         results.extend(rd["samples"])
     tokens = sum(r["tokens"] for r in per_round)
     exact = sum(r["exact"] for r in per_round)
-    truncated = sum(len(s["tokens"]) for s in results
-                    if s["used"]["top_p"] < 1.0 or s["used"]["min_p"] > 0 or s["used"]["top_k"] not in (-1, 1))
+    truncated = sum(r["truncated_tokens"] for r in per_round)
+    cut = sum(r["truncated_tokens"] for r in per_round if 1 < r["top_k_bound"] <= TOP_WIDTH)
     contract = get_contract(DEFAULT_CONTRACT)
     return {"schema": SCHEMA, "contract": contract.name, "fingerprint": contract.fingerprint,
             "config": {"geometry": args.geometry, "spec": spec_of(args.geometry), "checkpoints": [a, b],
                        "rounds": args.rounds, "target_tokens": args.tokens, "workers": args.workers, "seed": args.seed,
                        "server_command": server.command, "updates": "update_weights_from_disk between rounds"},
             "tokens": tokens, "exact_tokens": exact, "misses": tokens - exact, "truncated_tokens": truncated,
-            "server_alive_at_end": alive, "rollout_seconds": round(rollout_s, 1), "rounds": per_round,
+            "truncated_tokens_in_cut_rounds": cut, "server_alive_at_end": alive,
+            "rollout_seconds": round(rollout_s, 1), "rounds": per_round,
             "passed": exact == tokens and alive and tokens >= args.tokens}
 
 
@@ -160,7 +191,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m true_on_policy.harness.stress", description=__doc__.split("\n")[0])
     p.add_argument("--geometry", default="a3b6", help="a tiny_model geometry, or h1536 (this harness's own)")
     p.add_argument("--tokens", type=int, default=50_000, help="output tokens in all (at least)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; the weights alternate between two checkpoints")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds; the weights alternate between two checkpoints, the kinds cycle ROUND_KINDS")
     p.add_argument("--workers", type=int, default=96, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mem", type=float, default=0.5, help="--mem-fraction-static of the server")
@@ -174,7 +206,7 @@ def main(argv=None) -> int:
     evidence = run(args)
     write_evidence(args.out, evidence, prov)
     print(json.dumps({k: evidence[k] for k in ("tokens", "exact_tokens", "misses", "truncated_tokens",
-                                                "server_alive_at_end", "passed")}))
+                                                "truncated_tokens_in_cut_rounds", "server_alive_at_end", "passed")}))
     return 0 if evidence["passed"] else 1
 
 
