@@ -169,9 +169,9 @@ def bench_rows(docs):
     head = ["rows", "ops or GEMMs", "tokens", "same bits as the reference", *TAIL]
     rows = []
     for rel, d in docs:
-        rs = [r for r in d.get("rows") or [] if isinstance(r, dict)]
-        ops = sorted({str(r.get("op") or r.get("gemm")) for r in rs})
-        tokens = sorted({r["tokens"] for r in rs if isinstance(r.get("tokens"), int)})
+        rs = [r for r in d.get("rows") or d.get("table") or [] if isinstance(r, dict)]  # table: bench-truncation's
+        ops = sorted({str(r.get("op") or r.get("gemm") or r.get("setting")) for r in rs})
+        tokens = sorted({r.get("tokens", r.get("rows")) for r in rs if isinstance(r.get("tokens", r.get("rows")), int)})
         judged = [r for r in rs if "same_bits" in r]
         same = f"{sum(bool(r['same_bits']) for r in judged)}/{len(judged)}" if judged else "–"
         rows.append([len(rs), ", ".join(ops), ", ".join(map(str, tokens)), same, *provenance_cells(d, rel)])
