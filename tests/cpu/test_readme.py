@@ -169,7 +169,7 @@ def expected_numbers(doc: dict) -> list[str]:
         return out
     if isinstance(doc.get("results"), dict) and doc.get("engines"):  # one table per workload
         return [f"{r['ratio_vs_fastest_stock']:.2f}x" for w in doc["results"].values() for r in w["rows"]
-                if r["variant"] == "tpo"]
+                if r["variant"] == "tpo" and r.get("ratio_vs_fastest_stock") is not None]  # None: no stock ran
     return []
 
 
