@@ -51,6 +51,14 @@ SEG = 128  # keys per segment (2 blocks), at absolute positions; fixed (the cont
 # it); stages by kernel form, never by token count: 3 for the decode form, 1 for prefill/extend
 NUM_WARPS = 4
 NUM_STAGES = {"decode": 3, "extend": 1}
+# Candidate launch tiles (``attention(tile=...)``, speed only where proven): fewer tile rows for the
+# decode form, whose tile holds one query token's G rows; a tile's rows must hold a group (BLOCK_M >= G).
+# A candidate changes which MMA instruction and warp layout compute a row, so it is the fixed tile's
+# bits only where the GPU tier shows it (test_attention_tiles_equal_prefill, every candidate over the
+# benchmark geometries' head groups); benchmarks/attention_decode.py times them against stock SGLang.
+TILE_BM = (16, 32, 64)
+TILE_WARPS = (1, 2, 4, 8)
+TILE_STAGES = (1, 2, 3, 4)
 
 
 def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None, acc=torch.float32):
@@ -224,13 +232,38 @@ def _check_layout(hq: int, hkv: int, d: int) -> None:
                                f"degree that leaves at most {BLOCK_M} query heads per KV head on a rank")
 
 
+def candidate_tiles(g: int) -> list[dict]:
+    """Every candidate launch tile for head groups of ``g``: BLOCK_M of TILE_BM holding a group, 1, 2
+    or 4 warps, 2 or 3 stages (the fixed tile, 64 rows of 4 warps in 3 stages, among them)."""
+    return [dict(BLOCK_M=bm, num_warps=w, num_stages=st) for bm in TILE_BM if bm >= g
+            for w in (1, 2, 4) for st in (2, 3)]
+
+
+def _check_tile(tile: dict, g: int) -> None:
+    """Refuse a launch tile outside the candidates, naming every problem."""
+    problems = [f"unknown key {k!r} (known: BLOCK_M, num_warps, num_stages, split)" for k in tile
+                if k not in ("BLOCK_M", "num_warps", "num_stages", "split")]
+    bm = tile.get("BLOCK_M", BLOCK_M)
+    if bm not in TILE_BM or bm < g:
+        problems.append(f"BLOCK_M {bm}: one of {TILE_BM} and at least the head group {g}")
+    if tile.get("num_warps", NUM_WARPS) not in TILE_WARPS:
+        problems.append(f"num_warps {tile.get('num_warps')}: one of {TILE_WARPS}")
+    if tile.get("num_stages", 1) not in TILE_STAGES:
+        problems.append(f"num_stages {tile.get('num_stages')}: one of {TILE_STAGES}")
+    split = tile.get("split", 1)
+    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        problems.append(f"split {split!r}: a positive int (segments' programs per sequence and KV head)")
+    if problems:
+        raise KernelLimitError("attention: tile " + "; ".join(problems))
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None,
-              max_kv_len: int | None = None, seq_lens=None, out=None):
+              max_kv_len: int | None = None, seq_lens=None, out=None, tile: dict | None = None):
     """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D] (D 64 or 128; query head h reads KV head
     h // G, G = Hq / Hkv an integer <= 64: a TP rank passes its own heads, SGLang's replicated KV
     head included); kv_index [B, L] (int32/int64 rows of
@@ -249,7 +282,11 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token bound (D 128, 132 SMs),
     2.3 GB x G/8 for a 262144-token one (SGLang passes its context length).
     ``out`` (optional, q's shape and dtype, unit last stride): written in place and returned
-    (the caller's own output buffer: no copy)."""
+    (the caller's own output buffer: no copy).
+    ``tile`` (optional): a launch tile of ``candidate_tiles`` (BLOCK_M, num_warps, num_stages) and/or
+    ``split``, the programs that share a sequence's segments (needs ``max_kv_len``; clipped to its
+    segments), instead of the fixed tile and the split rule: for the GPU tier and the benchmarks, which
+    prove and time candidates."""
     tq, hq, d = q.shape
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
@@ -258,6 +295,10 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     if q.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or kv_index.stride(-1) != 1:
         raise KernelLimitError("attention: q, k_buf, v_buf and kv_index need a unit last stride")
     decode = seq_lens is not None
+    tile = tile or {}
+    if tile:
+        _check_tile(tile, hq // hkv)
+    bm = tile.get("BLOCK_M", BLOCK_M)
     if decode and (max_q_len != 1 or seq_lens.shape[0] > tq):
         raise KernelLimitError("attention: the decode form (seq_lens) takes one query per sequence, max_q_len=1")
     g = hq // hkv
@@ -267,13 +308,15 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         raise KernelLimitError(f"attention: out must be {tuple(q.shape)} {q.dtype} with unit last stride")
     b = kv_index.shape[0] if kv_rows is None else kv_rows.shape[0]
     b = seq_lens.shape[0] if decode else b
-    tiles = triton.cdiv(max_q_len, BLOCK_M // g)
+    tiles = triton.cdiv(max_q_len, bm // g)
     if not (b and tiles and tq):
         return out
     programs = b * tiles * hkv
     nseg_max = triton.cdiv(max_kv_len, SEG) if max_kv_len else 0
     fill = 2 * _sm_count(q.device.index or 0) if q.is_cuda and not INTERPRETED else 8
     n_split = min(nseg_max, triton.cdiv(fill, programs)) if nseg_max > 1 and programs < fill else 1
+    if "split" in tile:
+        n_split = max(1, min(tile["split"], nseg_max))
     split = n_split > 1
     if split:
         part = torch.empty(nseg_max, tq, hq, d, dtype=torch.float32, device=q.device)
@@ -287,13 +330,14 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         q, k_buf, v_buf, out, part, part_ml, kv_index, kv_rows if kv_rows is not None else dummy,  # (unused if None)
         starts, lens, pos0, seq_lens if decode else dummy, float(scale if scale is not None else 1.0 / math.sqrt(d)),
         n_split, nseg_max, tq * hq, hq, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=BLOCK_M,
+        v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=bm,
         BLOCK_N=BLOCK_N, SEG=SEG, HAS_ROWS=kv_rows is not None, DECODE=decode, SPLIT=split, DOT_F32=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES["decode" if decode else "extend"])
+        num_warps=tile.get("num_warps", NUM_WARPS),
+        num_stages=tile.get("num_stages", NUM_STAGES["decode" if decode else "extend"]))
     if split:
         _merge_kernel[(b, tiles, hkv)](out, part, part_ml, starts, lens, pos0, seq_lens if decode else dummy,
-                                       nseg_max, tq * hq, hq, out.stride(0), out.stride(1), G=g, D=d, BLOCK_M=BLOCK_M,
-                                       SEG=SEG, DECODE=decode, num_warps=NUM_WARPS)
+                                       nseg_max, tq * hq, hq, out.stride(0), out.stride(1), G=g, D=d, BLOCK_M=bm,
+                                       SEG=SEG, DECODE=decode, num_warps=tile.get("num_warps", NUM_WARPS))
     return out
 
 

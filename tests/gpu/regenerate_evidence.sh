@@ -2,9 +2,10 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect | tp2 | pp2 (two GPUs
+#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
+#        attntiles | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles and truncselect)
+#        decodetiles, truncselect and attntiles)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -188,6 +189,11 @@ case $GROUP in
     run tier gpu-tier-truncselect tests/gpu/test_truncation_select_gpu.py tests/gpu/test_truncation_top_gpu.py
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/truncation.py --batches 1 16 64 256 --step-ms 28.0 \
       --out "$E/bench-truncation.json" ;;&
+  attntiles)  # issue 37: every candidate attention launch tile (fewer rows, other warps and stages, split or not)
+    # against the fixed tile, bitwise, over the benchmark geometries' head groups; then decode attention, stock SGLang
+    # against the fixed tile and each candidate, alternated, bits checked (XDIST=8 runs the tests in 8 workers)
+    run tier gpu-tier-attention-tiles tests/gpu/test_kernels_gpu.py -k attention_tiles
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --out "$E/bench-attention-decode.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \

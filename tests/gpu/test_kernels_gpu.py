@@ -232,6 +232,48 @@ def test_attention_decode_batch_invariant(batch, gpu_evidence):
     gpu_evidence.append({"test": f"attention_decode_batch_{batch}", "bitwise_vs_prefill": True})
 
 
+# the head layouts of benchmarks/geometries.py (a3b48, a22b_h200, a35b_h200, h3072e64k4, h1536e256k6)
+# and a TP-2 shard of the 30B-A3B's (16 query heads over 2 KV heads)
+TILE_HEADS = [(32, 4), (64, 4), (96, 8), (40, 2), (24, 6), (16, 2)]
+
+
+@pytest.mark.parametrize("hq,hkv", TILE_HEADS)
+def test_attention_tiles_equal_prefill(hq, hkv, gpu_evidence):
+    """Every candidate launch tile (``attention.candidate_tiles``: fewer rows, other warps and stages),
+    split or not, gives the fixed tile's bits: the decode form of a batch at positions across the
+    64-key blocks and 128-key segments == those rows of the fixed tile's prefill; and a chunked
+    prefill in the candidate tile == the fixed one's rows. Lists every candidate that differs."""
+    from true_on_policy.kernels.attention import candidate_tiles
+
+    g, d, L = _gen(hq * 7 + hkv), 128, 1100
+    kb, vb = _randn(g, L * 2, hkv, d), _randn(g, L * 2, hkv, d)
+    table = torch.randperm(L * 2, device="cuda", generator=g)[:L].int()[None].contiguous()
+    q = _randn(g, L, hq, d)
+    _, st, ln, p0 = contiguous_layout(1, L, "cuda")
+    full = attention(q, kb, vb, table, st, ln, p0, L)
+    pos = torch.tensor([0, 1, 63, 64, 127, 128, 129, 255, 256, 511, 640, 1023, 1024, L - 1], device="cuda")
+    tables = table.expand(len(pos), L).contiguous()
+    rows = torch.arange(len(pos), device="cuda")  # int64, as SGLang's req_pool_indices
+    pre = 129
+    outcomes, differ = [], []
+    for tile in candidate_tiles(hq // hkv):
+        for split in (None, 1, 4):
+            t = dict(tile, **({} if split is None else {"split": split}))
+            dec = attention(q[pos].clone(), kb, vb, tables, None, None, None, 1, max_kv_len=40960, seq_lens=pos + 1,
+                            kv_rows=rows, tile=t)  # as the rollout calls it: req_to_token rows
+            same = bool(torch.equal(dec, full[pos]))
+            if split is None:
+                rest = attention(q[pre:].clone(), kb, vb, table, *(torch.tensor([a], device="cuda") for a in
+                                                                   (0, L - pre, pre)), L - pre, tile=tile)
+                same = same and bool(torch.equal(rest, full[pre:]))
+            outcomes.append({**t, "same_bits": same})
+            if not same:
+                differ.append(t)
+    gpu_evidence.append({"test": f"attention_tiles_{hq}q{hkv}kv", "candidates": outcomes,
+                         "decode_positions": pos.tolist(), "chunked_after": pre})
+    assert not differ, f"{len(differ)} of {len(outcomes)} candidate tiles differ from the fixed tile: {differ}"
+
+
 def test_rope(gpu_evidence):
     g = _gen(5)
     x = _randn(g, 4097, 32, 128)

@@ -1,7 +1,7 @@
 """Interpreted: attention for head groups G = Hq/Hkv that do not divide the 64-row tile (3, 5, 12;
 Qwen3-Coder-480B has 96/8 heads, a TP shard with a replicated KV head has Hq/tp : 1), bitwise:
 decode == prefill == chunked prefill, split-KV == one program, a sequence alone == in a ragged
-batch, paged == contiguous; the kernel vs the reference within tolerance; D outside {64, 128},
+batch, paged == contiguous, a candidate launch tile (fewer rows, any split) == the fixed tile; the kernel vs the reference within tolerance; D outside {64, 128},
 G > 64 and Hq not a multiple of Hkv refused."""
 import sys
 
@@ -11,7 +11,7 @@ import triton.language as tl
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
 from helpers import expect_value_errors  # noqa: E402
-from true_on_policy.kernels.attention import _rows, attention, attention_reference, contiguous_layout  # noqa: E402
+from true_on_policy.kernels.attention import _rows, attention, attention_reference, candidate_tiles, contiguous_layout  # noqa: E402
 
 g = torch.Generator().manual_seed(13)
 
@@ -43,6 +43,14 @@ for hq, hkv, d, L in ((6, 2, 64, 150), (5, 1, 64, 140), (12, 1, 128, 133)):
         dec = attention(q[pos].clone(), kb, vb, table.expand(len(pos), L).contiguous(), None, None, None, 1,
                         max_kv_len=mk, seq_lens=torch.tensor(pos) + 1)
         assert torch.equal(dec, full[pos]), (G, "decode form", mk)
+    for bm in sorted({t["BLOCK_M"] for t in candidate_tiles(G)}):  # candidate tiles: fewer rows, the same rows' math
+        for split in (1, 3):
+            tiled = attention(q[pos].clone(), kb, vb, table.expand(len(pos), L).contiguous(), None, None, None, 1,
+                              max_kv_len=L, seq_lens=torch.tensor(pos) + 1, tile={"BLOCK_M": bm, "split": split})
+            assert torch.equal(tiled, full[pos]), (G, "decode tile", bm, split)
+    bm = min(t["BLOCK_M"] for t in candidate_tiles(G))  # a chunked prefill in the fewest rows a tile may have
+    rest = attention(q[tok:].clone(), kb, vb, table, one(0), one(L - tok), one(tok), L - tok, tile={"BLOCK_M": bm})
+    assert torch.equal(rest, full[tok:]), (G, "chunked tile", bm)
     for pre in (1, tok, tok + 2, 64, 100):  # chunked prefill after a cached prefix: other tile membership
         for mk in (None, L):
             rest = attention(q[pre:].clone(), kb, vb, table, one(0), one(L - pre), one(pre), L - pre, max_kv_len=mk)
@@ -73,13 +81,14 @@ def _owners(OUT, ZERO, Q_LEN, G: tl.constexpr, BLOCK_M: tl.constexpr, HQ: tl.con
     tl.store(OUT + (tile * tl.num_programs(1) + kvh) * BLOCK_M + r, tl.where(row_ok, q_rows * HQ + head, -1))
 
 
-for G in (1, 3, 5, 8, 12, 64):  # every query (token, head) is stored by exactly one tile row: a row
-    n = 200                      # stored twice would be a write race on a GPU that the interpreter's
-    tiles = triton.cdiv(n, 64 // G)  # program order hides
-    rows = torch.empty(tiles, 2, 64, dtype=torch.int64)
-    _owners[(tiles, 2)](rows, torch.zeros(1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32), G=G, BLOCK_M=64, HQ=2 * G)
+for G, BM in ((1, 64), (3, 64), (5, 64), (8, 64), (12, 64), (64, 64), (4, 16), (12, 16), (16, 16), (20, 32)):
+    n = 200  # every query (token, head) is stored by exactly one tile row: a row stored twice would be
+    tiles = triton.cdiv(n, BM // G)  # a write race on a GPU that the interpreter's program order hides
+    rows = torch.empty(tiles, 2, BM, dtype=torch.int64)
+    _owners[(tiles, 2)](rows, torch.zeros(1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32), G=G, BLOCK_M=BM,
+                        HQ=2 * G)
     owned = torch.bincount(rows[rows >= 0], minlength=n * 2 * G)
-    assert owned.shape[0] == n * 2 * G and bool((owned == 1).all()), (G, "rows owned by more or fewer than one tile")
+    assert owned.shape[0] == n * 2 * G and bool((owned == 1).all()), (G, BM, "rows owned by more or fewer than one tile")
 
 x = torch.randn(4, 2, 96).bfloat16()
 kv, st, ln, p0 = contiguous_layout(1, 4)
@@ -88,6 +97,18 @@ expect_value_errors(
     lambda: attention(torch.randn(4, 6, 32).bfloat16(), *(torch.randn(4, 2, 32).bfloat16(),) * 2, kv, st, ln, p0, 4),
     lambda: attention(torch.randn(4, 3, 64).bfloat16(), *(torch.randn(4, 2, 64).bfloat16(),) * 2, kv, st, ln, p0, 4),
     lambda: attention(torch.randn(4, 96, 64).bfloat16(), *(torch.randn(4, 1, 64).bfloat16(),) * 2, kv, st, ln, p0, 4))
+q6, k2 = torch.randn(4, 6, 64).bfloat16(), torch.randn(4, 2, 64).bfloat16()
+expect_value_errors(*(lambda t=t: attention(q6, k2, k2, kv, st, ln, p0, 4, tile=t) for t in (
+    {"BLOCK_M": 8}, {"BLOCK_M": 128}, {"num_warps": 3}, {"num_stages": 0}, {"split": 0}, {"tiles": 2})))
+try:  # every problem of a tile in one message
+    attention(torch.randn(4, 64, 64).bfloat16(), k2[:, :1].contiguous(), k2[:, :1].contiguous(), kv, st, ln, p0, 4,
+              tile={"BLOCK_M": 16, "num_warps": 3, "split": True})
+except ValueError as e:
+    assert all(w in str(e) for w in ("BLOCK_M 16", "head group 64", "num_warps 3", "split True")), e
+else:
+    raise AssertionError("a tile with three problems was accepted")
+assert all(t["BLOCK_M"] >= 12 for t in candidate_tiles(12)) and {t["BLOCK_M"] for t in candidate_tiles(4)} == {16, 32, 64}
+assert dict(BLOCK_M=64, num_warps=4, num_stages=3) in candidate_tiles(8)  # the fixed tile is a candidate
 try:
     attention(torch.randn(4, 3, 96).bfloat16(), x[:, :1].contiguous(), x[:, :1].contiguous(), kv, st, ln, p0, 4)
 except ValueError as e:
