@@ -40,7 +40,7 @@ OPS = [
     ("MoE", r"moe|expert|router|topk_softmax|^(_route|_count|_align|_grouped_tma|_seg_tree|_silu_mul|_combine)_kernel$|"
      r"act_and_mul|silu_and_mul"),
     ("sampling / log-probs", r"sampl|softmax|logprob|gumbel|argmax|topk|top_k|top_p|"
-     r"^(_shard_stats|_finish|_truncate_select|_edge_id)_kernel$"),
+     r"^(_shard_stats|_finish|_truncate_select|_edge_id|_cut)_kernel$"),
     ("attention", r"attn|attention|flashinfer|flash::|^_fwd_|decode|extend|kv_indices|kv_splits|^_merge_kernel$"),
     ("dense GEMM", r"^_matmul_tma_kernel$|nvjet|gemm|cutlass|xmma|cublas"),
     ("tree GEMM (o_proj; MoE where no other form fits)", r"^(_matmul|_tree)_kernel$"),

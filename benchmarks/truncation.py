@@ -28,7 +28,14 @@ import statistics
 
 import torch
 from timing import cuda_ms
-from true_on_policy.kernels.sampling import TOP_WIDTH, log_softmax_rows, sample, select_truncation, truncate
+from true_on_policy.kernels.sampling import (
+    TOP_WIDTH,
+    cut_kernel,
+    log_softmax_rows,
+    sample,
+    select_truncation,
+    truncate,
+)
 from true_on_policy.kernels.truncation import BLOCK, NUM_WARPS, WAYS, truncate_select
 
 VOCAB = 151936
@@ -102,8 +109,8 @@ def measure_sample(rows: int, setting: str, reps: int, scale: float) -> dict:
     pos = torch.randint(0, 40000, (rows,), generator=g, device="cuda")
     k, p, mp = _params(rows, setting)
 
-    def draw(on: bool, bound=None, need_dist=False):
-        with select_truncation(on):
+    def draw(on: bool, bound=None, need_dist=False, fused=False):
+        with select_truncation(on), cut_kernel(fused):
             return sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True, bound=bound,
                           need_dist=need_dist)
 
@@ -112,6 +119,7 @@ def measure_sample(rows: int, setting: str, reps: int, scale: float) -> dict:
     if bound_of(setting):
         sides["top"] = lambda: draw(False, bound_of(setting), need_dist=True)
         sides["cut"] = lambda: draw(False, bound_of(setting))
+        sides["cut_kernel"] = lambda: draw(False, bound_of(setting), fused=True)
     want = sides["sort"]()
     same = all(all(a is None or torch.equal(a, b) for a, b in zip(sides[f](), want, strict=True))
                for f in sides if f != "plain")
@@ -119,8 +127,10 @@ def measure_sample(rows: int, setting: str, reps: int, scale: float) -> dict:
     taken = "cut" if "cut" in med else "sort"
     return {"rows": rows, "setting": setting, "logit_scale": scale, "sample_plain_ms": med["plain"],
             "sample_sort_ms": med["sort"], "sample_select_ms": med["select"], "sample_top_ms": med.get("top"),
-            "sample_cut_ms": med.get("cut"), "sample_taken": taken, "sample_taken_ms": med[taken],
-            "truncation_ms": med[taken] - med["plain"], "same_bits": same, "reps": reps}
+            "sample_cut_ms": med.get("cut"), "sample_cut_kernel_ms": med.get("cut_kernel"), "sample_taken": taken,
+            "sample_taken_ms": med[taken], "truncation_ms": med[taken] - med["plain"],
+            "cut_kernel_truncation_ms": med["cut_kernel"] - med["plain"] if "cut_kernel" in med else None,
+            "same_bits": same, "reps": reps}
 
 
 def budget(table: list[dict], samples: list[dict], step_ms: float) -> dict:
@@ -129,14 +139,16 @@ def budget(table: list[dict], samples: list[dict], step_ms: float) -> dict:
     (``table``) are kept beside it."""
     at = {r["setting"]: r for r in table if r["rows"] == BUDGET_ROWS}
     per = {}
-    for r in samples:
+    for r in (r for r in samples if r["rows"] == BUDGET_ROWS):
         alone = at.get(r["setting"], {})
         per[r["setting"]] = {
             "taken": r["sample_taken"], "truncation_ms": r["truncation_ms"],
             "taken_fraction": r["truncation_ms"] / step_ms,
             "within_budget": r["truncation_ms"] / step_ms <= BUDGET_FRACTION,
+            "cut_kernel_fraction": (r["cut_kernel_truncation_ms"] / step_ms
+                                    if r["cut_kernel_truncation_ms"] is not None else None),
             **{key: r[key] for key in ("sample_plain_ms", "sample_sort_ms", "sample_select_ms", "sample_top_ms",
-                                       "sample_cut_ms", "sample_taken_ms")},
+                                       "sample_cut_ms", "sample_cut_kernel_ms", "sample_taken_ms")},
             **{f"alone_{key}": alone.get(key) for key in ("sort_ms", "top_ms", "select_ms")}}
     return {"rows": BUDGET_ROWS, "step_ms": step_ms, "step_ms_from": STEP_FROM, "limit_fraction": BUDGET_FRACTION,
             "within_budget": sorted(s for s, r in per.items() if r["within_budget"]),
@@ -191,17 +203,20 @@ def main(argv=None):
     for r in table:
         print(f"| {r['rows']} | {r['setting']} | {ms(r['sort_ms'])} | {ms(r['top_ms'])} | {ms(r['select_ms'])} | "
               f"{r['taken']} | {r['same_bits']} |")
-    samples = [measure_sample(BUDGET_ROWS, s, args.reps, args.scale) for s in args.settings]
-    print("| rows | setting | sample, untruncated ms | sort ms | top-k ms | cut ms | select ms | same bits |\n"
-          "|---:|---|---:|---:|---:|---:|---:|---|")
+    samples = [measure_sample(b, s, args.reps, args.scale) for b in batches for s in args.settings]
+    print("| rows | setting | sample, untruncated ms | sort ms | top-k ms | cut ms | cut kernel ms | select ms | "
+          "same bits |\n|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in samples:
         print(f"| {r['rows']} | {r['setting']} | {ms(r['sample_plain_ms'])} | {ms(r['sample_sort_ms'])} | "
-              f"{ms(r['sample_top_ms'])} | {ms(r['sample_cut_ms'])} | {ms(r['sample_select_ms'])} | {r['same_bits']} |")
+              f"{ms(r['sample_top_ms'])} | {ms(r['sample_cut_ms'])} | {ms(r['sample_cut_kernel_ms'])} | "
+              f"{ms(r['sample_select_ms'])} | {r['same_bits']} |")
     judged = budget(table, samples, args.step_ms)
     for s, r in judged["per_setting"].items():
         print(f"{s} at {BUDGET_ROWS} rows ({r['taken']}): truncation adds {r['truncation_ms']:.3f} ms to sample = "
               f"{100 * r['taken_fraction']:.2f} % of a {args.step_ms} ms step (limit {100 * BUDGET_FRACTION:.0f} %): "
-              f"{'within' if r['within_budget'] else 'over'}")
+              f"{'within' if r['within_budget'] else 'over'}"
+              + ("" if r["cut_kernel_fraction"] is None else
+                 f"; with the cut kernel {100 * r['cut_kernel_fraction']:.2f} %"))
     shapes = []
     if args.sweep:
         print("| block | ways | num_warps | select ms | same bits |\n|---:|---:|---:|---:|---|")

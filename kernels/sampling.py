@@ -63,6 +63,12 @@ ROW_CHUNK = 256  # rows truncated at once (bounds the sort's memory; results are
 # Changed only through ``select_truncation``.
 SELECT_ON_CUDA = False
 _SELECT_ANYWHERE = False  # select_truncation(force=True): the kernel on every device (the CPU tier)
+# ``_top_cut`` on CUDA tensors computes the rows' cuts from topk's values in one kernel (``_cut_kernel``)
+# instead of about fifty small torch ops: the same operations on the same values, so the same bits;
+# speed only, and on by default only with the GPU tier's check of it (test_truncation_top_gpu.py) at
+# the commit that sets it. Changed only through ``cut_kernel``.
+CUT_KERNEL_ON_CUDA = False
+_CUT_KERNEL_ANYWHERE = False  # cut_kernel(force=True): the kernel on every device (the CPU tier)
 
 
 # ---------------------------------------------------------------------------- references
@@ -298,6 +304,26 @@ def select_truncation(on: bool = True, force: bool = False) -> Iterator[bool]:
         SELECT_ON_CUDA, _SELECT_ANYWHERE = before
 
 
+@contextlib.contextmanager
+def cut_kernel(on: bool = True, force: bool = False) -> Iterator[bool]:
+    """``with cut_kernel(on):`` -- inside the block ``_top_cut`` computes the cuts in ``_cut_kernel`` on
+    CUDA tensors (on) or in torch ops everywhere (off); ``force=True`` (with on) runs the kernel on
+    every device (CPU tensors need TRITON_INTERPRET=1). The previous setting is back on exit; the
+    bits do not depend on the setting."""
+    global CUT_KERNEL_ON_CUDA, _CUT_KERNEL_ANYWHERE
+    before = CUT_KERNEL_ON_CUDA, _CUT_KERNEL_ANYWHERE
+    CUT_KERNEL_ON_CUDA, _CUT_KERNEL_ANYWHERE = bool(on), bool(on and force)
+    try:
+        yield bool(on)
+    finally:
+        CUT_KERNEL_ON_CUDA, _CUT_KERNEL_ANYWHERE = before
+
+
+def cuts_in_kernel(logits: torch.Tensor) -> bool:
+    """Whether ``_top_cut`` runs ``_cut_kernel`` now (``cut_kernel``)."""
+    return _CUT_KERNEL_ANYWHERE or (CUT_KERNEL_ON_CUDA and logits.is_cuda and not INTERPRETED)
+
+
 def selects(logp: torch.Tensor) -> bool:
     """Whether ``truncate(logp, ...)`` runs the selection kernel now: the switch is on and ``logp``
     is a CUDA tensor outside the interpreter, or the switch is forced."""
@@ -396,28 +422,73 @@ def _truncate_top(logp, k, p, mp, need, width):
 
 
 @triton.jit
+def _scan_edge_id(LOGITS, row, stride_l, T, lse, edge, room, VOCAB, BLOCK: tl.constexpr):
+    """The ROOM-th lowest id v of row ``row`` with logits[v] / T - lse == edge, scanning the vocabulary
+    in id order (a running count of the ties and an inclusive scan within each chunk)."""
+    seen = tl.full([], 0, tl.int64)
+    found = tl.full([], 9223372036854775807, tl.int64)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < VOCAB
+        logit = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        tie = ok & ((tl.math.div_rn(logit, T) - lse) == edge)
+        rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
+        found = tl.minimum(found, tl.min(tl.where(tie & (rank == room), cols.to(tl.int64),
+                                                  9223372036854775807), axis=0))
+        seen += tl.sum(tie.to(tl.int64), axis=0)
+    return found
+
+
+@triton.jit
 def _edge_id_kernel(LOGITS, TEMP, LSE, EDGE, ROOM, COMPLETE, EDGE_ID, stride_l, VOCAB, BLOCK: tl.constexpr):
     """One row whose cut ``_top_cut`` could not place from topk's ids (COMPLETE == 0): EDGE_ID =
-    the ROOM-th lowest id v with logits[v] / T - lse == EDGE, scanning the vocabulary in id order
-    (a running count of the ties and an inclusive scan within each chunk). Complete rows: nothing."""
+    ``_scan_edge_id``'s. Complete rows: nothing."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(COMPLETE + row) == 0:
-        T = tl.load(TEMP + row)
-        lse = tl.load(LSE + row)
-        edge = tl.load(EDGE + row)
-        room = tl.load(ROOM + row)
-        seen = tl.full([], 0, tl.int64)
-        found = tl.full([], 9223372036854775807, tl.int64)
-        for start in range(0, VOCAB, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = cols < VOCAB
-            logit = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            tie = ok & ((tl.math.div_rn(logit, T) - lse) == edge)
-            rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
-            found = tl.minimum(found, tl.min(tl.where(tie & (rank == room), cols.to(tl.int64),
-                                                      9223372036854775807), axis=0))
-            seen += tl.sum(tie.to(tl.int64), axis=0)
+        found = _scan_edge_id(LOGITS, row, stride_l, tl.load(TEMP + row), tl.load(LSE + row), tl.load(EDGE + row),
+                              tl.load(ROOM + row), VOCAB, BLOCK)
         tl.store(EDGE_ID + row, found)
+
+
+@triton.jit
+def _cut_kernel(VALS, IDX, LOGITS, TEMP, LSE, K, P, MP, NEED, EDGE, EDGE_ID, LOG_TOTAL, stride_l, W, VOCAB,
+                WB: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of ``_top_cut`` from topk's W values and ids (VALS, IDX: [rows, W], descending): the
+    operations of its torch form on the same values (``_cut``, ``_edge``, the tie order, the
+    completeness test and ``_scan_edge_id``), in one program. Masses in units of 2^-62 (MASS_BITS)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, WB)
+    ok = offs < W
+    T = tl.load(TEMP + row)
+    lse = tl.load(LSE + row)
+    k = tl.load(K + row)
+    p = tl.load(P + row)
+    mp = tl.load(MP + row)
+    vals = tl.load(VALS + row * W + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    ids = tl.load(IDX + row * W + offs, mask=ok, other=VOCAB)
+    srt = tl.math.div_rn(vals, T) - lse  # log_softmax_rows's form
+    prob = tl.exp(srt.to(tl.float64))
+    mass = tl.where(ok, (prob * 4611686018427387904.0).to(tl.int64), 0)  # floor(prob * 2^62), prob >= 0
+    cum = tl.cumsum(mass, axis=0)
+    before = cum - mass
+    cut = (p * 4611686018427387904.0).to(tl.int64)
+    len_p = tl.where(p < 1.0, tl.sum((ok & (before <= cut)).to(tl.int64), axis=0), VOCAB)
+    prob0 = tl.sum(tl.where(offs == 0, prob, 0.0), axis=0)
+    len_m = tl.sum((ok & (prob >= mp * prob0)).to(tl.int64), axis=0)
+    kept = tl.maximum(tl.minimum(tl.minimum(k, len_p), len_m), 1)
+    at = offs == kept - 1
+    total = tl.sum(tl.where(at, cum, 0), axis=0).to(tl.float64) * (1.0 / 4611686018427387904.0)  # exact
+    edge = tl.max(tl.where(at, srt, float("-inf")), axis=0)
+    room = kept - tl.sum((ok & (srt > edge)).to(tl.int64), axis=0)
+    ties = tl.sort(tl.where(ok & (srt == edge), ids, VOCAB), dim=0)
+    edge_id = tl.sum(tl.where(offs == room - 1, ties, 0), axis=0)
+    last = tl.max(tl.where(offs == W - 1, srt, float("-inf")), axis=0)
+    complete = (last < edge) | (edge == float("-inf")) | (W == VOCAB) | (tl.load(NEED + row) == 0)
+    if not complete:
+        edge_id = _scan_edge_id(LOGITS, row, stride_l, T, lse, edge, room, VOCAB, BLOCK)
+    tl.store(EDGE + row, edge)
+    tl.store(EDGE_ID + row, edge_id)
+    tl.store(LOG_TOTAL + row, tl.log(total))
 
 
 def _top_cut(logits, temp, lse, k, p, mp, need, width):
@@ -437,6 +508,15 @@ def _top_cut(logits, temp, lse, k, p, mp, need, width):
     rows, vocab = logits.shape
     w = min(width + 1, vocab)
     vals, idx = torch.topk(logits, w, dim=-1, largest=True, sorted=True)
+    if cuts_in_kernel(logits):
+        edge = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        edge_id = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        log_total = torch.empty(rows, dtype=torch.float64, device=logits.device)
+        if rows:
+            _cut_kernel[(rows,)](vals, idx, logits, temp, lse, k, p, mp, need.to(torch.int8), edge, edge_id,
+                                 log_total, logits.stride(0), w, vocab, WB=triton.next_power_of_2(w),
+                                 BLOCK=DRAW_BLOCK)
+        return edge, edge_id, log_total
     srt = vals.float() / temp[:, None] - lse[:, None]  # log_softmax_rows's form: the same bits
     edge, room, total = _edge(srt, k, p, mp, vocab)
     ties = torch.where(srt == edge, idx, vocab).sort(dim=-1).values

@@ -8,6 +8,7 @@ The sampler seam gives the bound from the requests on the host (``patches.sample
 carried through SGLang's batch merges and copies, never read back from the GPU.
 """
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -106,3 +107,36 @@ def test_the_hooks_exist_on_sglangs_sampling_batch_info():
 
     for target in (seam.INFO_FROM_BATCH, seam.INFO_MERGE, seam.INFO_COPY):
         resolve(target)
+
+
+CUT_LOWERING = """
+import inspect
+import json
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from true_on_policy.kernels.sampling import _cut_kernel
+types = {"VALS": "*fp32", "IDX": "*i64", "LOGITS": "*fp32", "TEMP": "*fp32", "LSE": "*fp32", "K": "*i64", "P": "*fp64",
+         "MP": "*fp64", "NEED": "*i8", "EDGE": "*fp32", "EDGE_ID": "*i64", "LOG_TOTAL": "*fp64", "stride_l": "i32",
+         "W": "i32", "VOCAB": "i32"}
+const = {"WB": 32, "BLOCK": 1024}
+sig = {p: ("constexpr" if p in const else types[p]) for p in inspect.signature(_cut_kernel.fn).parameters}
+ptx = triton.compile(ASTSource(fn=_cut_kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4}).asm["ptx"]
+print(json.dumps(sorted(set(re.findall(r"__nv_[a-z0-9_]+|ex2\\.approx|lg2\\.approx|div\\.[a-z]+\\.f32|"
+                                       r"cvt\\.r[a-z]*\\.[a-z0-9]+\\.[a-z0-9]+", ptx)))))
+"""
+
+
+def test_the_cut_kernel_lowers_like_the_torch_ops_it_replaces_on_sm90():
+    """``_cut_kernel`` compiled for an H200 (sm_90) without a GPU: fp64 exp / log are libdevice calls
+    (torch's CUDA fp64 exp / log), logits / T is IEEE division (torch's), double -> int64 truncates
+    and int64 -> double rounds to nearest (torch's ``.to``); no fp32 approximations."""
+    from helpers import run_py
+
+    r = run_py(CUT_LOWERING, {"TRITON_INTERPRET": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert {"__nv_exp", "__nv_log", "div.rn.f32", "cvt.rzi.s64.f64", "cvt.rn.f64.s64"} <= found, found
+    assert not found & {"ex2.approx", "lg2.approx", "div.full.f32", "div.approx.f32"}, found

@@ -45,13 +45,14 @@ def test_top_k_equals_the_sort_bitwise(rows, kind, bound, gpu_evidence):
     gpu_evidence.append({"test": "truncation_top_eq_sort", "rows": rows, "kind": kind, "bound": bound})
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cut_torch", "cut_kernel"])
 @pytest.mark.parametrize("kind", ["flat", "peaked", "ties"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 256])
-def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, gpu_evidence):
-    from true_on_policy.kernels.sampling import sample, select_truncation, truncated_token_logprobs
+def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, fused, gpu_evidence):
+    from true_on_policy.kernels.sampling import cut_kernel, sample, select_truncation, truncated_token_logprobs
 
     logits, temp, seeds, pos, (k, p, mp), (top_k, top_p, min_p) = _draw_case(kind, "qwen", rows, rows * 7)
-    with select_truncation(False):
+    with select_truncation(False), cut_kernel(fused):
         sort = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True)
         top = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, truncating=True, bound=top_k,
                      need_dist=True)  # top-k forming the [rows, vocab] logq (top log-probs asked)
@@ -66,13 +67,14 @@ def test_sample_and_trainer_with_the_bound_equal_the_sort(rows, kind, gpu_eviden
         tensor = truncated_token_logprobs(logits, top[0], temp, k, p, mp)  # the sort
     _assert_same(scalar, sort[1], f"trainer (top-k) == sampler (sort), {what}")
     _assert_same(tensor, cut[1], f"trainer (sort) == sampler (cut), {what}")
-    gpu_evidence.append({"test": "truncation_top_sample_trainer", "rows": rows, "kind": kind})
+    gpu_evidence.append({"test": "truncation_top_sample_trainer", "rows": rows, "kind": kind, "cut_kernel": fused})
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cut_torch", "cut_kernel"])
 @pytest.mark.parametrize("rows", [64, 256])
-def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, gpu_evidence):
+def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, fused, gpu_evidence):
     import torch
-    from true_on_policy.kernels.sampling import sample, select_truncation
+    from true_on_policy.kernels.sampling import cut_kernel, sample, select_truncation
 
     def case(kind, seed):
         logits, temp, seeds, pos, _, _ = _draw_case(kind, "qwen", rows, seed)
@@ -84,7 +86,7 @@ def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, gpu_evidence):
         lg, t, s, ps, kk, pp, mm = static
         return sample(lg, t, s, ps, top_k=kk, top_p=pp, min_p=mm, truncating=True, bound=bound)
 
-    with select_truncation(False):
+    with select_truncation(False), cut_kernel(fused):
         graph, (g_ids, g_lp, _) = _captured(draw)  # the cut form; no host synchronisation in the draw
         for i, kind in enumerate(("flat", "peaked", "peaked", "ties")):
             for dst, src in zip(static, case(kind, 100 + i), strict=True):
@@ -94,4 +96,26 @@ def test_sample_with_the_bound_replays_in_a_cuda_graph(rows, gpu_evidence):
             ids, lp, _ = draw(None)  # eager, the sort
             _assert_ids(g_ids, ids, f"graph (cut) == eager sort, ids, replay {i} ({kind})")
             _assert_same(g_lp, lp, f"graph (cut) == eager sort, log-probs, replay {i} ({kind})")
-    gpu_evidence.append({"test": "truncation_top_cuda_graph", "rows": rows, "replays": 4})
+    gpu_evidence.append({"test": "truncation_top_cuda_graph", "rows": rows, "replays": 4, "cut_kernel": fused})
+
+
+@pytest.mark.parametrize("bound", [1, 20, 50, 1024])
+@pytest.mark.parametrize("kind", ["flat", "peaked", "ties"])
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_the_cut_kernel_equals_the_torch_cut_bitwise(rows, kind, bound, gpu_evidence):
+    """``_cut_kernel`` (``cut_kernel(True)``) gives ``_top_cut``'s torch form's (edge, edge_id,
+    log_total) bit for bit on every row, truncating or not, the scanned ones included."""
+    import torch
+    from true_on_policy.kernels import sampling as S
+
+    logits, temp, _, _, _, _ = _draw_case(kind, "qwen", rows, rows * 11 + bound)
+    kk, pp, mmp, need = S.truncation_params(rows, V, "cuda", *_bounded(rows, rows + bound, bound))
+    t = S.temperatures(temp, rows, "cuda")
+    lse = S.row_lse(S.shard_stats(logits, t, S.SHARDS))
+    with S.cut_kernel(False):
+        ref = S._top_cut(logits, t, lse, kk, pp, mmp, need, bound)
+    with S.cut_kernel(True):
+        got = S._top_cut(logits, t, lse, kk, pp, mmp, need, bound)
+    for name, a, b in zip(("edge", "edge_id", "log_total"), got, ref, strict=True):
+        assert torch.equal(a, b), f"{name}, {rows} rows, {kind}, bound {bound}: rows {(a != b).nonzero().tolist()}"
+    gpu_evidence.append({"test": "cut_kernel_eq_torch_cut", "rows": rows, "kind": kind, "bound": bound})

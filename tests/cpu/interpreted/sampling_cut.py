@@ -9,7 +9,9 @@ vocabulary, greedy and untruncated rows among truncating ones, two chunk widths 
   and log(kept mass);
 - ids and log-probs equal the full-row form's (``need_dist``, the sort) and the trainer's, whose
   own cut form (``truncated_token_logprobs`` with the bound) gives the full form's logq at any token;
-- a row's draw does not depend on the rows beside it.
+- a row's draw does not depend on the rows beside it;
+- the cuts computed in one kernel (``cut_kernel``) are the torch form's, bit for bit, on every row,
+  and give the same draws and log-probs in ``sample`` and the trainer.
 """
 import sys
 
@@ -62,6 +64,10 @@ for kind, bound, blocks in CASES:
     assert torch.equal(edge[need], srt.gather(1, last)[need, 0]), what
     assert torch.equal(edge_id[finite], idx.gather(1, last)[finite, 0]), what
     assert torch.equal(log_total[need], torch.log(total)[need, 0]), what
+    with S.cut_kernel(True, force=True):  # the cuts in one kernel: the torch form's bits, every row
+        fused = real_cut(logits, t, lse, kk, pp, mmp, need, bound)
+    for a, b_ in zip(fused, (edge, edge_id, log_total), strict=True):
+        assert torch.equal(a, b_), (what, "cut kernel", (a != b_).nonzero().tolist())
     w = min(bound + 1, V)
     scans += int((finite & (srt[:, w - 1] == srt.gather(1, last)[:, 0])).sum()) if w < V else 0
 
@@ -87,6 +93,11 @@ for kind, bound, blocks in CASES:
         i2, l2, _ = sample(logits[n:].clone(), temp[n:], seeds[n:], pos[n:], top_k=k[n:], top_p=p[n:],
                            min_p=mp[n:], bound=bound)
         assert torch.equal(i2, ids[n:]) and torch.equal(l2, lp[n:]), (what, n)
+        if kind in ("ties", "masked") and block == blocks[-1]:  # sample and the trainer with the cut kernel
+            with S.cut_kernel(True, force=True):
+                ki, kl, _ = sample(logits, temp, seeds, pos, top_k=k, top_p=p, min_p=mp, bound=bound)
+                kt = truncated_token_logprobs(logits, ids, temp, k, p, mp, bound=bound)
+            assert torch.equal(ki, ids) and torch.equal(kl, lp) and torch.equal(kt, lp), (what, "cut kernel")
     S.DRAW_BLOCK = 1024
 
 assert scans >= 5, scans  # rows whose edge ties reach past topk's width: the scan kernel placed them
