@@ -153,7 +153,7 @@ case $GROUP in
   space|tailprofile)  # issue 37: the geometries of benchmarks/geometries.py (GEOMETRY=<name>: one of them; one run
     # each), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
-    # at a time, stock (and its flashinfer sampling for qwen) against both contracts; a line stops before its time
+    # at a time, stock (its flashinfer sampling for qwen, and SGLang's own backend choice) against both contracts; a line stops before its time
     # budget (TIME_BUDGET s, default 540) with exit 3 and "INCOMPLETE": run it again until the file is complete.
     # WORKLOADS / VARIANTS narrow a space run (the file records what ran), SPACE_TAG names its file
     # throughput-space-<g>-<tag>.json (a run at new code beside an earlier file).
@@ -168,7 +168,7 @@ case $GROUP in
     for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
       if [ "$GROUP" = space ]; then
         run $B/throughput.py --geometry "$g" --workload ${WORKLOADS:-plain qwen tail long} \
-          --variants ${VARIANTS:-stock stock_fi tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
+          --variants ${VARIANTS:-stock stock_fi stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
           --http --make-room --resume --time-budget "${TIME_BUDGET:-540}" \
           --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else
