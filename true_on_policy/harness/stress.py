@@ -8,7 +8,8 @@ drawn from a seeded generator: T in {1.0, 0.7}, top_p in {0.5, 0.8, 0.9, 0.95, 0
 n = 4 groups. Rounds are of two kinds (``ROUND_KINDS``, cycled): in a ``mixed`` round some truncating
 requests keep the whole vocabulary (top_k -1), so their batches truncate by a full-row form; in a
 ``bounded`` round every truncating request has top_k in {5, 20, 50} (as Qwen3's sampling does), so
-every batch's bound is at most 50 and the sampler draws through the cut form. Between rounds the server loads the other of two checkpoints of the geometry
+every batch that truncates has a bound of at most 50 and the sampler draws through the cut form.
+Between rounds the server loads the other of two checkpoints of the geometry
 (``update_weights_from_disk``). Afterwards the patched transformers trainer recomputes every
 sampled token at the parameters the server reports it used (``meta_info.sampling_params_used``)
 under the weights of its round. Every token must be bitwise equal: one miss fails the run (exit 1).
@@ -68,8 +69,8 @@ def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: 
         elif kind < 0.25:
             sp = {"temperature": rng.choice((1.0, 0.7)), "top_k": -1, "top_p": 1.0, "min_p": 0.0}
         else:
-            sp = {"temperature": rng.choice((1.0, 0.7)), "top_p": rng.choice(TOP_P), "top_k": rng.choice(BOUNDED_TOP_K if bounded else TOP_K),
-                  "min_p": rng.choice(MIN_P)}
+            sp = {"temperature": rng.choice((1.0, 0.7)), "top_p": rng.choice(TOP_P),
+                  "top_k": rng.choice(BOUNDED_TOP_K if bounded else TOP_K), "min_p": rng.choice(MIN_P)}
         new = rng.choice((rng.randint(8, 64), rng.randint(64, 256), rng.randint(256, 512)))
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 200))]
         if rng.random() < 0.3:
@@ -84,8 +85,9 @@ def draw_requests(rng: random.Random, vocab: int, target_tokens: int, round_id: 
 
 
 def round_bound(bodies: list[dict], vocab: int) -> int:
-    """The sampler's bound (patches/sampler.requests_top_k_bound) for any batch of these requests:
-    at most ``kernels.sampling.TOP_WIDTH`` and the draw takes the cut form."""
+    """The sampler's bound (patches/sampler.requests_top_k_bound) over all these requests: at least
+    that of any batch of them. Where it is at most ``kernels.sampling.TOP_WIDTH``, every batch that
+    truncates draws through the cut form."""
     from types import SimpleNamespace
 
     from true_on_policy.patches.sampler import requests_top_k_bound
@@ -169,7 +171,8 @@ def run(args) -> dict:
             settings[key] = settings.get(key, 0) + len(s["tokens"])
         truncated = sum(len(s["tokens"]) for s in rd["samples"] if truncates(s["used"]))
         per_round.append({"round": i, "kind": rd["kind"], "top_k_bound": rd["top_k_bound"],
-                          "truncated_tokens": truncated, "weights": Path(rd["weights"]).name, "requests": rd["requests"],
+                          "truncated_tokens": truncated, "weights": Path(rd["weights"]).name,
+                          "requests": rd["requests"],
                           "samples": len(rd["samples"]), **stats, "tokens_by_setting": dict(sorted(settings.items()))})
         results.extend(rd["samples"])
     tokens = sum(r["tokens"] for r in per_round)
