@@ -28,31 +28,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import captured, replay_ms, reps_for  # noqa: E402
 
 MAX_CTX = 40960  # Qwen3-MoE's context length: SGLang's req_to_token width, ours max_kv_len
 STOCK_SPLITS = 8  # SGLang's --triton-attention-num-kv-splits default
-
-
-def _graph(fn):
-    """(graph, its static output) of ``fn``, after one eager call (compiles, allocates)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def _replay_ms(graph, reps: int) -> float:
-    from timing import cuda_ms
-
-    def replays():
-        for _ in range(reps):
-            graph.replay()
-    return cuda_ms(replays) / reps
 
 
 def tile_name(tile: dict | None) -> str:
@@ -149,7 +128,7 @@ def run(geometries, batches, contexts, rounds, warps=(1, 2, 4), stages=(2, 3)):
                 graphs = {}
                 for k, fn in variants.items():
                     try:
-                        graphs[k] = _graph(fn)
+                        graphs[k] = captured(fn)
                     except Exception as e:  # noqa: BLE001  (a candidate that does not compile is reported)
                         print(f"  {name} b{b}: {k} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 for graph, _ in graphs.values():
@@ -157,13 +136,13 @@ def run(geometries, batches, contexts, rounds, warps=(1, 2, 4), stages=(2, 3)):
                 torch.cuda.synchronize()
                 ref = graphs["fixed"][1]
                 same = {k: bool(torch.equal(o, ref)) for k, (_, o) in graphs.items() if k != "stock"}
-                reps = max(3, min(200, int(5.0 / max(_replay_ms(graphs["fixed"][0], 2), 1e-3))))
+                reps = reps_for(graphs["fixed"][0])
                 keys = list(graphs)
                 times = {k: [] for k in keys}
                 for r in range(rounds):
                     shift = r % len(keys)
                     for k in keys[shift:] + keys[:shift]:
-                        times[k].append(_replay_ms(graphs[k][0], reps) / copies)
+                        times[k].append(replay_ms(graphs[k][0], reps) / copies)
                 med = {k: statistics.median(v) for k, v in times.items()}
                 st = med.get("stock")
                 proven = [k for k in keys if k not in ("stock", "fixed") and same[k]]

@@ -29,6 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import captured, replay_ms, reps_for  # noqa: E402
 
 GEMMS = ("qkv", "o_proj", "router", "gate_up", "down", "o_proj_tree", "down_tree")
 TREE_SEGMENTS = 8  # the segment-tree contract's width at TP 1
@@ -54,28 +55,6 @@ def decode_tiles(on: bool):
         yield
     finally:
         mm.DECODE_TILES = before
-
-
-def _graph(fn):
-    """(graph, its static output) of ``fn``, after one eager call (compiles, allocates)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def _replay_ms(graph, reps: int) -> float:
-    from timing import cuda_ms
-
-    def replays():
-        for _ in range(reps):
-            graph.replay()
-    return cuda_ms(replays) / reps
 
 
 def _tile(cfg) -> str:
@@ -165,17 +144,17 @@ def run(geometries, rows, gemms, rounds):
         for gemm in gemms:
             for t in rows:
                 variant, mask, nbytes, tiles, copies = case(s, gemm, t, g, l2)
-                graphs = {d: _graph(variant(d)) for d in (False, True)}
+                graphs = {d: captured(variant(d)) for d in (False, True)}
                 for graph, _ in graphs.values():
                     graph.replay()
                 torch.cuda.synchronize()
                 old, new = (graphs[d][1] for d in (False, True))
                 same = bool(torch.equal(new[mask], old[mask]) if mask is not None else torch.equal(new, old))
-                reps = max(3, min(200, int(5.0 / max(_replay_ms(graphs[False][0], 2), 1e-3))))
+                reps = reps_for(graphs[False][0])
                 times = {False: [], True: []}
                 for r in range(rounds):
                     for d in ((False, True) if r % 2 == 0 else (True, False)):
-                        times[d].append(_replay_ms(graphs[d][0], reps) / copies)
+                        times[d].append(replay_ms(graphs[d][0], reps) / copies)
                 med = {d: statistics.median(v) for d, v in times.items()}
                 row = {"geometry": name, "gemm": gemm, "rows": t, "old_tile": tiles(False), "new_tile": tiles(True),
                        "copies": copies, "bytes_per_call": nbytes, "old_ms": med[False], "new_ms": med[True],

@@ -14,3 +14,33 @@ def cuda_ms(fn) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+def captured(fn):
+    """(CUDA graph, its static output) of ``fn``, after one eager call on a side stream (compiles,
+    allocates)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def replay_ms(graph, reps: int) -> float:
+    """Milliseconds per replay of ``graph`` over ``reps`` back-to-back replays."""
+
+    def replays():
+        for _ in range(reps):
+            graph.replay()
+    return cuda_ms(replays) / reps
+
+
+def reps_for(graph, target_ms: float = 5.0) -> int:
+    """Replays (3 to 200) that take about ``target_ms``, from two timed ones."""
+    return max(3, min(200, int(target_ms / max(replay_ms(graph, 2), 1e-3))))
