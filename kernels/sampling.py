@@ -65,9 +65,9 @@ SELECT_ON_CUDA = False
 _SELECT_ANYWHERE = False  # select_truncation(force=True): the kernel on every device (the CPU tier)
 # ``_top_cut`` on CUDA tensors computes the rows' cuts from topk's values in one kernel (``_cut_kernel``)
 # instead of about fifty small torch ops: the same operations on the same values, so the same bits;
-# speed only, and on by default only with the GPU tier's check of it (test_truncation_top_gpu.py) at
-# the commit that sets it. Changed only through ``cut_kernel``.
-CUT_KERNEL_ON_CUDA = False
+# speed only. On by default: the GPU tier's check of it (test_truncation_top_gpu.py,
+# evidence/gpu-tier-truncselect) runs at the commit that sets it. Changed only through ``cut_kernel``.
+CUT_KERNEL_ON_CUDA = True
 _CUT_KERNEL_ANYWHERE = False  # cut_kernel(force=True): the kernel on every device (the CPU tier)
 
 
