@@ -3,7 +3,7 @@ candidate launch tile (``attention.candidate_tiles``), alternated in one run, at
 the benchmark geometries and decode batches; and whether each candidate gives the fixed tile's bits.
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/attention_decode.py [--geometries a3b48 h1536e256k6 ...] \\
-        [--batches 1 4 16 64 256] [--contexts 1024] [--rounds 6] [--warps 1 2 4] [--stages 2 3] [--out X.json]
+        [--batches 1 4 16 64 256] [--contexts 1024] [--rounds 6] [--stages 1 2 3] [--out X.json]
 
 One case: ``batch`` sequences of ``context`` keys each in a shuffled paged pool (SGLang's
 ``req_to_token`` rows, read through ``kv_rows`` as the rollout does), one query each. Stock: SGLang
@@ -92,7 +92,7 @@ def _ratio(x) -> str:
     return f"{x:.2f}" if x is not None else "n/a"
 
 
-def run(geometries, batches, contexts, rounds, warps=(1, 2, 4), stages=(2, 3)):
+def run(geometries, batches, contexts, rounds, stages=(1, 2, 3), done=None):
     from geometries import spec
     from true_on_policy.kernels.attention import candidate_tiles
 
@@ -106,7 +106,7 @@ def run(geometries, batches, contexts, rounds, warps=(1, 2, 4), stages=(2, 3)):
     for name in geometries:
         s = spec(name)
         hq, hkv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
-        tiles = [t for t in candidate_tiles(hq // hkv) if t["num_warps"] in warps and t["num_stages"] in stages]
+        tiles = [t for t in candidate_tiles(hq // hkv)[1:] if t["num_stages"] in stages]  # [0]: "fixed"
         tiles += [dict(t, split=1) for t in tiles]
         for ctx in contexts:
             for b in batches:
@@ -155,6 +155,8 @@ def run(geometries, batches, contexts, rounds, warps=(1, 2, 4), stages=(2, 3)):
                        "best_over_fixed": med[best] / med["fixed"] if best else None,
                        "differing": [k for k, v in same.items() if not v]}
                 out.append(row)
+                if done:
+                    done(out)
                 print(f"| {name} | {hq}/{hkv} | {ctx} | {b} | {row['stock_splits']} | {_us(med, 'stock')} | "
                       f"{_us(med, 'fixed')} | {_ratio(row['fixed_over_stock'])} | {best or '-'} | "
                       f"{_us(med, best) if best else '-'} | {_ratio(row['best_over_stock'])} | "
@@ -172,17 +174,19 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
     ap.add_argument("--rounds", type=int, default=6, help="rotations of the variants per row (median)")
-    ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4], help="the candidates' warps to time")
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="the candidates' stages to time")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], help="the candidates' stages to time")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/attention_decode.py", *argv])
-    rows = run(args.geometries, args.batches, args.contexts, args.rounds, args.warps, args.stages)
-    if args.out:
-        write_evidence(args.out, {"timing": "cuda graphs of the call over HBM-resident K/V copies, rotated",
-                                  "max_kv_len": MAX_CTX, "stock_max_splits": STOCK_SPLITS, "rows": rows}, prov)
+    def write(rows, complete=False):  # after every row: a run cut short keeps the rows it timed
+        if args.out:
+            write_evidence(args.out, {"timing": "cuda graphs of the call over HBM-resident K/V copies, rotated",
+                                      "max_kv_len": MAX_CTX, "stock_max_splits": STOCK_SPLITS, "complete": complete,
+                                      "rows": rows}, prov)
+
+    write(run(args.geometries, args.batches, args.contexts, args.rounds, args.stages, done=write), complete=True)
     return 0
 
 

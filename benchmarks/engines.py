@@ -12,7 +12,8 @@ Stock variants run SGLang with the overlay off; each is triton attention + pytor
 - ``deterministic``: SGLang's deterministic mode (slower by design: never a ratio's bar).
 
 Overlay variants run ``--true-on-policy``: ``tpo`` and ``tpo_no_logprob`` the default contract
-(``true_on_policy.DEFAULT_CONTRACT``), the others the contract ``CONTRACTS`` names.
+(``true_on_policy.DEFAULT_CONTRACT``), the others the contract ``CONTRACTS`` names; ``tpo_tiles``
+is ``tpo`` with the decode attention's tiles chosen at start-up (``TPO_ENV``: the same bits).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
 CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1"}
+TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"}}  # a variant's environment (speed only)
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},
@@ -70,6 +72,7 @@ def start_engine(name, model_path, mem):
         return sglang.Engine(**stock_args(name), **kw)
     from true_on_policy.rollout.engine import TrueOnPolicyEngine
 
+    os.environ.update(TPO_ENV.get(name, {}))  # this process serves one variant; its schedulers inherit it
     return TrueOnPolicyEngine(**kw, **({"contract": CONTRACTS[name]} if name in CONTRACTS else {}))
 
 
@@ -115,6 +118,7 @@ class HttpEngine:
             env.pop(tpo_env.ENABLED.name, None)  # stock: no overlay in any server process
             cmd = [sys.executable, "-m", "sglang.launch_server", *cli_flags(stock_args(name)), *common]
         else:
+            env.update(TPO_ENV.get(name, {}))
             cmd = [sys.executable, "-m", "launch.server", "--true-on-policy",
                    *(["--true-on-policy-contract", CONTRACTS[name]] if name in CONTRACTS else []), *common]
         self.url = f"http://127.0.0.1:{port}"

@@ -51,14 +51,25 @@ SEG = 128  # keys per segment (2 blocks), at absolute positions; fixed (the cont
 # it); stages by kernel form, never by token count: 3 for the decode form, 1 for prefill/extend
 NUM_WARPS = 4
 NUM_STAGES = {"decode": 3, "extend": 1}
-# Candidate launch tiles (``attention(tile=...)``, speed only where proven): fewer tile rows for the
-# decode form, whose tile holds one query token's G rows; a tile's rows must hold a group (BLOCK_M >= G).
-# A candidate changes which MMA instruction and warp layout compute a row, so it is the fixed tile's
-# bits only where the GPU tier shows it (test_attention_tiles_equal_prefill, every candidate over the
-# benchmark geometries' head groups); benchmarks/attention_decode.py times them against stock SGLang.
+# Candidate launch tiles (``attention(tile=...)``, speed only): the fixed tile, and tiles of 16 or 32
+# rows (holding a group, BLOCK_M >= G) in ONE warp, for the decode form, whose tile holds one query
+# token's G rows. In one warp every row's dot products, max and sums stay inside that warp (sm_90
+# lowers it to mma.sync with the warp owning all rows); with 2-4 warps Triton splits a small tile's
+# columns over warps, so a row's sums cross warps, and the GPU tier found such tiles off the fixed
+# tile's bits (evidence/gpu-tier-attention-tiles). test_attention_tiles_equal_prefill checks every
+# candidate, split or not, over the benchmark geometries' head groups; benchmarks/attention_decode.py
+# times them against stock SGLang. 64 rows in one warp keep the bits but spill (20x slower): left out.
 TILE_BM = (16, 32, 64)
 TILE_WARPS = (1, 2, 4, 8)
 TILE_STAGES = (1, 2, 3, 4)
+ONE_WARP_BM = (16, 32)
+ONE_WARP_STAGES = (1, 2, 3)
+# Decode tiles chosen once at start-up among the candidates (``choose_decode_tiles``, run before the
+# decode CUDA graphs are captured when TRUE_ON_POLICY_DECODE_TILES=choose): for each of the model's
+# (Hq, Hkv, D) on this rank, ((largest batch, tile or None for the fixed tile), ...) by batch.
+# Every candidate gives the fixed tile's bits, so the choice is speed only.
+_DECODE_TILES: dict[tuple[int, int, int], tuple[tuple[int, dict | None], ...]] = {}
+CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much faster (timing noise)
 
 
 def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None, acc=torch.float32):
@@ -233,10 +244,99 @@ def _check_layout(hq: int, hkv: int, d: int) -> None:
 
 
 def candidate_tiles(g: int) -> list[dict]:
-    """Every candidate launch tile for head groups of ``g``: BLOCK_M of TILE_BM holding a group, 1, 2
-    or 4 warps, 2 or 3 stages (the fixed tile, 64 rows of 4 warps in 3 stages, among them)."""
-    return [dict(BLOCK_M=bm, num_warps=w, num_stages=st) for bm in TILE_BM if bm >= g
-            for w in (1, 2, 4) for st in (2, 3)]
+    """The candidate launch tiles for head groups of ``g``: the fixed tile (64 rows, 4 warps, 3 stages)
+    first, then one-warp tiles of 16 or 32 rows holding a group, in 1, 2 or 3 stages."""
+    fixed = dict(BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES["decode"])
+    return [fixed] + [dict(BLOCK_M=bm, num_warps=1, num_stages=st) for bm in ONE_WARP_BM if bm >= g
+                      for st in ONE_WARP_STAGES]
+
+
+def decode_tile_for(hq: int, hkv: int, d: int, batch: int) -> dict | None:
+    """The decode tile chosen at start-up for ``batch`` sequences of this head layout (None: the fixed
+    tile; also when nothing was chosen). A batch takes the choice of the smallest timed batch at or
+    above it, and the largest timed batch's beyond."""
+    sizes = _DECODE_TILES.get((hq, hkv, d))
+    if not sizes:
+        return None
+    return next((tile for top, tile in sizes if batch <= top), sizes[-1][1])
+
+
+def set_decode_tiles(hq: int, hkv: int, d: int, choice: dict[int, dict | None]) -> None:
+    """Install a choice {timed batch: tile or None}; every tile must be a candidate of the layout."""
+    g = hq // hkv
+    bad = [t for t in choice.values() if t is not None and t not in candidate_tiles(g)]
+    if bad:
+        raise KernelLimitError(f"attention: decode tiles {bad} are not candidates for groups of {g} "
+                               f"({candidate_tiles(g)})")
+    _DECODE_TILES[(hq, hkv, d)] = tuple(sorted(choice.items()))
+
+
+def clear_decode_tiles() -> None:
+    _DECODE_TILES.clear()
+
+
+def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
+    """From {tile key: seconds} with the fixed tile under None: the fastest candidate when it beats
+    the fixed tile by more than ``margin``, else None."""
+    best = min((k for k in times if k is not None), key=times.__getitem__, default=None)
+    if best is None or times[best] >= times[None] * (1 - margin):
+        return None
+    return best
+
+
+def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
+    """Median ms of ``reps`` decode calls per tile of ``tiles`` (None: the fixed tile) for ``b``
+    sequences of ``context`` keys at random rows of the pool, the tiles alternated over ``rounds``."""
+    import statistics
+
+    ctx = max(1, min(context, max_kv_len))
+    table = torch.randint(0, k_buf.shape[0], (b, ctx), device=k_buf.device, generator=gen, dtype=torch.int32)
+    q = torch.randn(b, hq, d, device=k_buf.device, generator=gen).to(k_buf.dtype)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=k_buf.device)
+    out = torch.empty_like(q)
+
+    def call(i):
+        attention(q, k_buf, v_buf, table, None, None, None, 1, max_kv_len=max_kv_len, seq_lens=lens, out=out,
+                  tile=tiles[i] or candidate_tiles(hq // k_buf.shape[1])[0])
+
+    order = list(range(len(tiles)))
+    for i in order:  # compile and warm
+        call(i)
+    times: list[list[float]] = [[] for _ in order]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rounds):
+        for i in order[r % len(order):] + order[:r % len(order)]:
+            start.record()
+            for _ in range(reps):
+                call(i)
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return [statistics.median(t) for t in times]
+
+
+def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv_len: int, context: int = 1024,
+                        rounds: int = 3, reps: int = 10, times_out: dict | None = None) -> dict[int, dict | None]:
+    """Time the fixed tile and every other candidate in the decode form at each batch of ``batches``,
+    ``context`` keys per sequence at random rows of ``k_buf``/``v_buf`` [S, Hkv, D] (the server's KV
+    pool: its memory, not its values, matters) with ``max_kv_len`` as the server passes it (so the
+    split rule splits as it will), alternating the tiles over ``rounds`` rounds; install and return
+    {batch: the fastest tile, None for the fixed tile} (``pick_tile``). Every candidate gives the fixed
+    tile's bits: this decides speed only. ``times_out`` (optional) receives {batch: [median ms of
+    ``reps`` calls per tile, the fixed tile first, then ``candidate_tiles(G)[1:]`` in order]}.
+    CUDA only; call it outside CUDA-graph capture."""
+    _check_layout(hq, hkv, d)
+    cands = candidate_tiles(hq // hkv)[1:]
+    gen = torch.Generator(device=k_buf.device).manual_seed(0)
+    choice: dict[int, dict | None] = {}
+    for b in sorted({int(x) for x in batches if int(x) > 0}):
+        med = _time_decode(hq, d, b, [None, *cands], k_buf, v_buf, max_kv_len, context, rounds, reps, gen)
+        if times_out is not None:
+            times_out[b] = med
+        best = pick_tile({None: med[0], **{i: t for i, t in enumerate(med[1:])}})
+        choice[b] = None if best is None else cands[best]
+    set_decode_tiles(hq, hkv, d, choice)
+    return choice
 
 
 def _check_tile(tile: dict, g: int) -> None:
@@ -286,7 +386,8 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     ``tile`` (optional): a launch tile of ``candidate_tiles`` (BLOCK_M, num_warps, num_stages) and/or
     ``split``, the programs that share a sequence's segments (needs ``max_kv_len``; clipped to its
     segments), instead of the fixed tile and the split rule: for the GPU tier and the benchmarks, which
-    prove and time candidates."""
+    prove and time candidates. Without it the decode form takes the tile ``choose_decode_tiles``
+    installed for this head layout and batch, if any (the same bits as the fixed tile)."""
     tq, hq, d = q.shape
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
@@ -295,6 +396,8 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     if q.stride(-1) != 1 or k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or kv_index.stride(-1) != 1:
         raise KernelLimitError("attention: q, k_buf, v_buf and kv_index need a unit last stride")
     decode = seq_lens is not None
+    if decode and not tile and _DECODE_TILES:
+        tile = decode_tile_for(q.shape[1], k_buf.shape[1], d, seq_lens.shape[0])
     tile = tile or {}
     if tile:
         _check_tile(tile, hq // hkv)

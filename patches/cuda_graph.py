@@ -6,14 +6,17 @@ we assert that every routing patch of this process is installed (a patch applied
 would be silently bypassed on replay) and record what was captured in the process manifest:
 the decode batch sizes and, where the contract turns prefill graphs on (the prefill-graph
 preview contracts; v1 and flat force them off, so their prefill capture never runs), the
-prefill token counts. Replay pads a batch up to the next captured size; every kernel is
-row-independent, so the padded rows change no bit of the real ones (decode: checked on the GPU,
-eager == graph; prefill: parity at 6 layers under both prefill-graph previews).
+prefill token counts. With TRUE_ON_POLICY_DECODE_TILES=choose the decode runner's capture first
+times the decode attention's candidate tiles for each batch (``choose_decode_tiles``; every
+candidate gives the fixed tile's bits) and the manifest records the choice. Replay pads a batch up
+to the next captured size; every kernel is row-independent, so the padded rows change no bit of
+the real ones (decode: checked on the GPU, eager == graph; prefill: parity at 6 layers under both
+prefill-graph previews).
 """
 
 from __future__ import annotations
 
-from true_on_policy import patching
+from true_on_policy import env, patching
 from true_on_policy.manifest import PatchRecord
 from true_on_policy.patching import PatchError, wrap
 
@@ -41,6 +44,8 @@ def _make_capture(original, target=CAPTURE):
         if missing:
             raise PatchError(f"CUDA-graph capture before the true-on-policy patches: missing {missing}")
         CAPTURED[key] = sorted(int(b) for b in getattr(self, attr, None) or [])
+        if target == CAPTURE and env.DECODE_TILES.get("") == "choose":
+            CAPTURED["decode_tiles"] = choose_decode_tiles(self.model_runner, CAPTURED[key])
         result = original(self, *args, **kwargs)
         CAPTURED["captured"] = True
         if target == PREFILL_CAPTURE:
@@ -56,6 +61,38 @@ def _make_capture(original, target=CAPTURE):
         return result
 
     return tpo_capture
+
+
+def timed_batches(capture_bs) -> list[int]:
+    """The decode batches the start-up choice times: powers of two below the largest captured batch,
+    and that batch (every captured batch takes the choice of the next timed one up)."""
+    top = max(capture_bs, default=0)
+    return sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} - {0}) if top else []
+
+
+def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
+    """For each head layout of the model's attention layers on this rank: time the decode attention's
+    candidate tiles on its KV pool at ``timed_batches`` and install the fastest (speed only: every
+    candidate gives the fixed tile's bits). Returns what was chosen, for the manifest."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from true_on_policy.kernels import attention as att
+
+    pool = model_runner.token_to_kv_pool
+    width = model_runner.req_to_token_pool.req_to_token.shape[1]
+    layouts = {}
+    for m in model_runner.model.modules():
+        if isinstance(m, RadixAttention):
+            layouts.setdefault((m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim), m.layer_id)
+    if not layouts:
+        raise PatchError("true-on-policy decode tiles: the model has no RadixAttention layer to time")
+    out = []
+    for (hq, hkv, d), layer_id in sorted(layouts.items()):
+        k = pool.get_key_buffer(layer_id)
+        v = pool.get_value_buffer(layer_id)
+        choice = att.choose_decode_tiles(hq, hkv, d, timed_batches(capture_bs), k.view(k.shape[0], hkv, d),
+                                         v.view(v.shape[0], hkv, d), width)
+        out.append({"heads": [hq, hkv, d], "tiles": {str(b): t for b, t in choice.items()}})
+    return out
 
 
 def _make_prefill_capture(original):

@@ -44,6 +44,12 @@ CACHE_DIR = EnvVar(
     "where the embedded Qwen3-MoE checkpoints are built and SGLang's --help text is cached "
     "(default ~/.cache/true_on_policy)",
 )
+DECODE_TILES = EnvVar(
+    "TRUE_ON_POLICY_DECODE_TILES",
+    "'choose' times the decode attention's candidate tiles (kernels.attention.candidate_tiles, each the fixed "
+    "tile's bits) at start-up, before the decode CUDA graphs are captured, and keeps the fastest per batch; "
+    "anything else keeps the fixed tile. Speed only: no bit depends on it",
+)
 
 TEST_KERNEL_LIMIT = EnvVar(
     "TRUE_ON_POLICY_TEST_KERNEL_LIMIT",

@@ -189,9 +189,10 @@ case $GROUP in
     run tier gpu-tier-truncselect tests/gpu/test_truncation_select_gpu.py tests/gpu/test_truncation_top_gpu.py
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/truncation.py --batches 1 16 64 256 --step-ms 28.0 \
       --out "$E/bench-truncation.json" ;;&
-  attntiles)  # issue 37: every candidate attention launch tile (fewer rows, other warps and stages, split or not)
-    # against the fixed tile, bitwise, over the benchmark geometries' head groups; then decode attention, stock SGLang
-    # against the fixed tile and each candidate, alternated, bits checked (XDIST=8 runs the tests in 8 workers)
+  attntiles)  # issue 37: every candidate attention launch tile (one warp, 16 or 32 rows, 1-3 stages, split or not)
+    # against the fixed tile, bitwise, over the benchmark geometries' head groups, and the start-up choice among them
+    # (choose_decode_tiles) against the fixed tile; then decode attention, stock SGLang against the fixed tile and each
+    # candidate, alternated, bits checked (XDIST=8 runs the tests in 8 workers)
     run tier gpu-tier-attention-tiles tests/gpu/test_kernels_gpu.py -k attention_tiles
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --out "$E/bench-attention-decode.json" ;;
   tp2)

@@ -274,6 +274,35 @@ def test_attention_tiles_equal_prefill(hq, hkv, gpu_evidence):
     assert not differ, f"{len(differ)} of {len(outcomes)} candidate tiles differ from the fixed tile: {differ}"
 
 
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (40, 2), (96, 8)])
+def test_attention_tiles_chosen_at_start_up_keep_the_bits(hq, hkv, gpu_evidence):
+    """``choose_decode_tiles`` as the decode capture runs it (powers of two up to 256 over a paged
+    K/V pool, the server's 40,960-token bound): whatever it picks, a decode batch with the choice
+    installed == the fixed tile, at the timed batches and between them, sequences of mixed lengths.
+    Records the choice and every candidate's median time per batch (the fixed tile first)."""
+    import true_on_policy.kernels.attention as A
+
+    g, d, pool = _gen(hq + hkv), 128, 300_000
+    kb, vb = _randn(g, pool, hkv, d), _randn(g, pool, hkv, d)
+    timed = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    try:
+        times = {}
+        choice = A.choose_decode_tiles(hq, hkv, d, timed, kb, vb, 40960, times_out=times)
+        for b in (1, 3, 16, 50, 64, 200, 256):
+            lens = torch.randint(1, 2000, (b,), device="cuda", generator=g, dtype=torch.int32)
+            table = torch.randint(0, pool, (b, 40960), device="cuda", generator=g, dtype=torch.int32)
+            q = _randn(g, b, hq, d)
+            chosen = attention(q, kb, vb, table, None, None, None, 1, max_kv_len=40960, seq_lens=lens)
+            fixed = attention(q, kb, vb, table, None, None, None, 1, max_kv_len=40960, seq_lens=lens,
+                              tile=A.candidate_tiles(hq // hkv)[0])
+            _same(chosen, fixed, f"{hq}/{hkv} batch {b} chosen {A.decode_tile_for(hq, hkv, d, b)}")
+    finally:
+        A.clear_decode_tiles()
+    gpu_evidence.append({"test": f"attention_tiles_chosen_{hq}q{hkv}kv", "candidates": A.candidate_tiles(hq // hkv),
+                         "choice": {str(b): t for b, t in choice.items()},
+                         "ms_per_10_calls": {str(b): t for b, t in times.items()}, "bitwise": True})
+
+
 def test_rope(gpu_evidence):
     g = _gen(5)
     x = _randn(g, 4097, 32, 128)

@@ -170,10 +170,13 @@ def bench_rows(docs):
     rows = []
     for rel, d in docs:
         rs = [r for r in d.get("rows") or d.get("table") or [] if isinstance(r, dict)]  # table: bench-truncation's
-        ops = sorted({str(r.get("op") or r.get("gemm") or r.get("setting")) for r in rs})
-        tokens = sorted({r.get("tokens", r.get("rows")) for r in rs if isinstance(r.get("tokens", r.get("rows")), int)})
-        judged = [r for r in rs if "same_bits" in r]
-        same = f"{sum(bool(r['same_bits']) for r in judged)}/{len(judged)}" if judged else "–"
+        ops = sorted({str(r.get("op") or r.get("gemm") or r.get("setting")
+                          or (f"decode attention, {r['geometry']}" if "geometry" in r else None)) for r in rs})
+        sizes = [r.get("tokens", r.get("rows", r.get("batch"))) for r in rs]
+        tokens = sorted({t for t in sizes if isinstance(t, int)})
+        judged = [r["same_bits"] for r in rs if "same_bits" in r]  # bench-attention-decode: every candidate of a row
+        judged += [v for r in rs for v in (r.get("same_bits_as_fixed") or {}).values()]
+        same = f"{sum(map(bool, judged))}/{len(judged)}" if judged else "–"
         rows.append([len(rs), ", ".join(ops), ", ".join(map(str, tokens)), same, *provenance_cells(d, rel)])
     return head, rows
 

@@ -1,8 +1,9 @@
 """Interpreted: attention for head groups G = Hq/Hkv that do not divide the 64-row tile (3, 5, 12;
 Qwen3-Coder-480B has 96/8 heads, a TP shard with a replicated KV head has Hq/tp : 1), bitwise:
 decode == prefill == chunked prefill, split-KV == one program, a sequence alone == in a ragged
-batch, paged == contiguous, a candidate launch tile (fewer rows, any split) == the fixed tile; the kernel vs the reference within tolerance; D outside {64, 128},
-G > 64 and Hq not a multiple of Hkv refused."""
+batch, paged == contiguous, a candidate launch tile (fewer rows, any split) == the fixed tile, a
+decode tile choice installed as at start-up is taken and keeps the bits; the kernel vs the
+reference within tolerance; D outside {64, 128}, G > 64 and Hq not a multiple of Hkv refused."""
 import sys
 
 import torch
@@ -11,6 +12,7 @@ import triton.language as tl
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
 from helpers import expect_value_errors  # noqa: E402
+from true_on_policy.kernels import attention as A  # noqa: E402
 from true_on_policy.kernels.attention import _rows, attention, attention_reference, candidate_tiles, contiguous_layout  # noqa: E402
 
 g = torch.Generator().manual_seed(13)
@@ -48,6 +50,24 @@ for hq, hkv, d, L in ((6, 2, 64, 150), (5, 1, 64, 140), (12, 1, 128, 133)):
             tiled = attention(q[pos].clone(), kb, vb, table.expand(len(pos), L).contiguous(), None, None, None, 1,
                               max_kv_len=L, seq_lens=torch.tensor(pos) + 1, tile={"BLOCK_M": bm, "split": split})
             assert torch.equal(tiled, full[pos]), (G, "decode tile", bm, split)
+    # a choice installed as choose_decode_tiles does: the decode form takes it (a candidate 16-row tile at
+    # batches up to 2, the fixed tile above) and gives the same bits; a layout without a choice is untouched
+    small = next(t for t in candidate_tiles(G) if t["BLOCK_M"] < 64) if G <= 32 else None
+    A.set_decode_tiles(hq, hkv, d, {2: small, 4: None})
+    assert A.decode_tile_for(hq, hkv, d, 1) == small and A.decode_tile_for(hq, hkv, d, 3) is None
+    assert A.decode_tile_for(hq, hkv, d, 99) is None and A.decode_tile_for(hq + hkv, hkv, d, 1) is None
+    launched = []
+    kernel_run = A._attention_kernel.run
+    A._attention_kernel.run = lambda *a, _l=launched, _r=kernel_run, **kw: (_l.append(kw["BLOCK_M"]), _r(*a, **kw))[1]
+    try:
+        for n in (1, 2, 3):
+            chosen = attention(q[pos[:n]].clone(), kb, vb, table.expand(n, L).contiguous(), None, None, None, 1,
+                               max_kv_len=L, seq_lens=torch.tensor(pos[:n]) + 1)
+            assert torch.equal(chosen, full[pos[:n]]), (G, "chosen decode tile", n)
+    finally:
+        A._attention_kernel.run = kernel_run
+        A.clear_decode_tiles()
+    assert launched == [small["BLOCK_M"], small["BLOCK_M"], 64], (G, launched)
     bm = min(t["BLOCK_M"] for t in candidate_tiles(G))  # a chunked prefill in the fewest rows a tile may have
     rest = attention(q[tok:].clone(), kb, vb, table, one(0), one(L - tok), one(tok), L - tok, tile={"BLOCK_M": bm})
     assert torch.equal(rest, full[tok:]), (G, "chunked tile", bm)

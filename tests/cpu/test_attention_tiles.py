@@ -1,0 +1,96 @@
+"""The decode attention's candidate tiles and the start-up choice among them, on the CPU: which tiles
+are candidates, how the choice picks, installs and is looked up, which batches it times, and that
+the decode CUDA-graph capture runs it on every head layout of the model only with
+TRUE_ON_POLICY_DECODE_TILES=choose. That a chosen tile keeps the bits: interpreted
+(interpreted/attention_groups.py) and on the GPU (test_attention_tiles_equal_prefill,
+test_attention_tiles_chosen_at_start_up_keep_the_bits)."""
+
+import pytest
+from helpers import run_py
+from true_on_policy.kernels import attention as A
+from true_on_policy.kernels.limits import KernelLimitError
+from true_on_policy.patches import cuda_graph
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 6, 8, 12, 16, 20, 32, 48, 64])
+def test_candidates_are_the_fixed_tile_then_one_warp_tiles_holding_a_group(g):
+    c = A.candidate_tiles(g)
+    assert c[0] == dict(BLOCK_M=A.BLOCK_M, num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES["decode"])
+    assert all(t["num_warps"] == 1 and g <= t["BLOCK_M"] <= 32 for t in c[1:])
+    assert {(t["BLOCK_M"], t["num_stages"]) for t in c[1:]} == {(bm, st) for bm in (16, 32) if bm >= g
+                                                                 for st in (1, 2, 3)}
+
+
+def test_pick_tile_keeps_the_fixed_tile_unless_a_candidate_is_faster_by_the_margin():
+    assert A.pick_tile({None: 1.0, 0: 0.99, 1: 0.98}) is None  # 2 % faster: within the margin
+    assert A.pick_tile({None: 1.0, 0: 0.9, 1: 0.8}) == 1
+    assert A.pick_tile({None: 1.0}) is None
+    assert A.pick_tile({None: 1.0, 0: 0.9}, margin=0.2) is None
+
+
+def test_decode_tile_for_takes_the_next_timed_batch_up_and_refuses_a_tile_not_a_candidate():
+    small, mid = A.candidate_tiles(4)[1], A.candidate_tiles(4)[-1]
+    try:
+        assert A.decode_tile_for(24, 6, 128, 1) is None  # nothing chosen: the fixed tile
+        A.set_decode_tiles(24, 6, 128, {64: mid, 1: None, 16: small})
+        assert [A.decode_tile_for(24, 6, 128, b) for b in (1, 2, 16, 17, 64, 65, 512)] == \
+            [None, small, small, mid, mid, mid, mid]
+        assert A.decode_tile_for(32, 4, 128, 16) is None  # another layout: untouched
+        with pytest.raises(KernelLimitError, match="not candidates") as e:
+            A.set_decode_tiles(32, 4, 128, {1: dict(BLOCK_M=16, num_warps=4, num_stages=2)})
+        assert "groups of 8" in str(e.value)
+        assert A.decode_tile_for(32, 4, 128, 1) is None
+    finally:
+        A.clear_decode_tiles()
+
+
+@pytest.mark.parametrize("bs,timed", [([1, 2, 4, 8, 12, 16, 24, 256], [1, 2, 4, 8, 16, 32, 64, 128, 256]),
+                                      ([1, 2, 3, 48], [1, 2, 4, 8, 16, 32, 48]), ([1], [1]), ([], [])])
+def test_timed_batches_cover_every_captured_batch(bs, timed):
+    assert cuda_graph.timed_batches(bs) == timed
+    assert all(any(t >= b for t in timed) for b in bs)
+
+
+CODE = r"""
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from true_on_policy import patches
+from true_on_policy.contract import get_contract
+from true_on_policy.contract.policy import RuntimePolicy
+from true_on_policy.kernels import attention as att
+from true_on_policy.patches import cuda_graph
+
+patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+calls = []
+att.choose_decode_tiles = lambda hq, hkv, d, batches, k, v, width: (
+    calls.append((hq, hkv, d, batches, tuple(k.shape), tuple(v.shape), width)) or {b: None for b in batches})
+
+class Pool:
+    def get_key_buffer(self, i): return torch.zeros(10, 2 * 128 if i < 2 else 4 * 64)
+    def get_value_buffer(self, i): return torch.zeros(10, 2 * 128 if i < 2 else 4 * 64)
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([RadixAttention(8, 128, 1.0, 2, 0), RadixAttention(8, 128, 1.0, 2, 1),
+                                           RadixAttention(16, 64, 1.0, 4, 2)])
+class MR:
+    model, token_to_kv_pool = Model(), Pool()
+    req_to_token_pool = type('R', (), {'req_to_token': torch.zeros(3, 40960)})()
+class Runner:
+    capture_bs, model_runner = [1, 2, 24], MR()
+
+cuda_graph._make_capture(lambda self: None)(Runner())
+assert calls == [] and 'decode_tiles' not in cuda_graph.CAPTURED, calls  # the fixed tile unless asked
+import os
+os.environ['TRUE_ON_POLICY_DECODE_TILES'] = 'choose'
+cuda_graph._make_capture(lambda self: None)(Runner())
+assert calls == [(8, 2, 128, [1, 2, 4, 8, 16, 24], (10, 2, 128), (10, 2, 128), 40960),
+                 (16, 4, 64, [1, 2, 4, 8, 16, 24], (10, 4, 64), (10, 4, 64), 40960)], calls
+assert cuda_graph.CAPTURED['decode_tiles'][0] == {'heads': [8, 2, 128], 'tiles': {str(b): None for b in calls[0][3]}}
+print('ok')
+"""
+
+
+def test_the_decode_capture_chooses_tiles_for_every_head_layout_only_when_asked():
+    r = run_py(CODE, env_extra={"TRUE_ON_POLICY_DECODE_TILES": ""})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
