@@ -285,8 +285,10 @@ def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
 
 
 def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
-    """Median ms of ``reps`` decode calls per tile of ``tiles`` (None: the fixed tile) for ``b``
-    sequences of ``context`` keys at random rows of the pool, the tiles alternated over ``rounds``."""
+    """Median ms of one CUDA-graph replay of ``reps`` decode calls per tile of ``tiles`` (None: the
+    fixed tile) for ``b`` sequences of ``context`` keys at random rows of the pool, the tiles
+    alternated over ``rounds``. Graphs, as the server replays decode: timing eager calls would time
+    the host's launches, not the kernels, at small batches."""
     import statistics
 
     ctx = max(1, min(context, max_kv_len))
@@ -294,24 +296,34 @@ def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, rep
     q = torch.randn(b, hq, d, device=k_buf.device, generator=gen).to(k_buf.dtype)
     lens = torch.full((b,), ctx, dtype=torch.int32, device=k_buf.device)
     out = torch.empty_like(q)
-
-    def call(i):
-        attention(q, k_buf, v_buf, table, None, None, None, 1, max_kv_len=max_kv_len, seq_lens=lens, out=out,
-                  tile=tiles[i] or candidate_tiles(hq // k_buf.shape[1])[0])
-
+    fixed = candidate_tiles(hq // k_buf.shape[1])[0]
+    graphs = []
+    side = torch.cuda.Stream(device=k_buf.device)
+    side.wait_stream(torch.cuda.current_stream(k_buf.device))
+    for tile in tiles:
+        def call(tile=tile):
+            attention(q, k_buf, v_buf, table, None, None, None, 1, max_kv_len=max_kv_len, seq_lens=lens, out=out,
+                      tile=tile or fixed)
+        with torch.cuda.stream(side):  # compile and warm outside the capture
+            call()
+        torch.cuda.current_stream(k_buf.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                call()
+        graphs.append(graph)
     order = list(range(len(tiles)))
-    for i in order:  # compile and warm
-        call(i)
     times: list[list[float]] = [[] for _ in order]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(rounds):
+    for r in range(rounds + 1):  # round 0 warms the graphs
         for i in order[r % len(order):] + order[:r % len(order)]:
             start.record()
-            for _ in range(reps):
-                call(i)
+            graphs[i].replay()
             end.record()
             end.synchronize()
-            times[i].append(start.elapsed_time(end))
+            if r:
+                times[i].append(start.elapsed_time(end))
+    del graphs
     return [statistics.median(t) for t in times]
 
 
@@ -322,8 +334,8 @@ def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv
     pool: its memory, not its values, matters) with ``max_kv_len`` as the server passes it (so the
     split rule splits as it will), alternating the tiles over ``rounds`` rounds; install and return
     {batch: the fastest tile, None for the fixed tile} (``pick_tile``). Every candidate gives the fixed
-    tile's bits: this decides speed only. ``times_out`` (optional) receives {batch: [median ms of
-    ``reps`` calls per tile, the fixed tile first, then ``candidate_tiles(G)[1:]`` in order]}.
+    tile's bits: this decides speed only. ``times_out`` (optional) receives {batch: [median ms of a
+    graph of ``reps`` calls per tile, the fixed tile first, then ``candidate_tiles(G)[1:]`` in order]}.
     CUDA only; call it outside CUDA-graph capture."""
     _check_layout(hq, hkv, d)
     cands = candidate_tiles(hq // hkv)[1:]
