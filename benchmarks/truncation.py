@@ -28,6 +28,7 @@ import statistics
 
 import torch
 from timing import cuda_ms
+from true_on_policy.kernels import sampling as S
 from true_on_policy.kernels.sampling import (
     TOP_WIDTH,
     cut_kernel,
@@ -124,7 +125,7 @@ def measure_sample(rows: int, setting: str, reps: int, scale: float) -> dict:
     same = all(all(a is None or torch.equal(a, b) for a, b in zip(sides[f](), want, strict=True))
                for f in sides if f != "plain")
     med = _alternate(sides, reps)
-    taken = "cut" if "cut" in med else "sort"
+    taken = ("cut_kernel" if S.CUT_KERNEL_ON_CUDA else "cut") if "cut" in med else "sort"  # the sampler's default
     return {"rows": rows, "setting": setting, "logit_scale": scale, "sample_plain_ms": med["plain"],
             "sample_sort_ms": med["sort"], "sample_select_ms": med["select"], "sample_top_ms": med.get("top"),
             "sample_cut_ms": med.get("cut"), "sample_cut_kernel_ms": med.get("cut_kernel"), "sample_taken": taken,

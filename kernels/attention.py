@@ -56,9 +56,10 @@ NUM_STAGES = {"decode": 3, "extend": 1}
 # token's G rows. In one warp every row's dot products, max and sums stay inside that warp (sm_90
 # lowers it to mma.sync with the warp owning all rows); with 2-4 warps Triton splits a small tile's
 # columns over warps, so a row's sums cross warps, and the GPU tier found such tiles off the fixed
-# tile's bits (evidence/gpu-tier-attention-tiles). test_attention_tiles_equal_prefill checks every
-# candidate, split or not, over the benchmark geometries' head groups; benchmarks/attention_decode.py
-# times them against stock SGLang. 64 rows in one warp keep the bits but spill (20x slower): left out.
+# tile's bits (evidence/gpu-tier-attention-tiles-multiwarp). test_attention_tiles_equal_prefill
+# checks every candidate, split or not, over the benchmark geometries' head groups;
+# benchmarks/attention_decode.py times them against stock SGLang. 64 rows in one warp keep the bits
+# but spill registers: left out.
 TILE_BM = (16, 32, 64)
 TILE_WARPS = (1, 2, 4, 8)
 TILE_STAGES = (1, 2, 3, 4)
