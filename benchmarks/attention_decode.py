@@ -34,13 +34,6 @@ MAX_CTX = 40960  # Qwen3-MoE's context length: SGLang's req_to_token width, ours
 STOCK_SPLITS = 8  # SGLang's --triton-attention-num-kv-splits default
 
 
-def tile_name(tile: dict | None) -> str:
-    if not tile:
-        return "fixed"
-    out = f"{tile.get('BLOCK_M', 64)} rows w{tile.get('num_warps', 4)} s{tile.get('num_stages', 3)}"
-    return out + (f" split {tile['split']}" if "split" in tile else "")
-
-
 def stock_call(q, kbs, vbs, req_to_token, seq_lens):
     """SGLang's decode over every K/V copy, with its backend's split count and buffers (None when
     SGLang's kernels are not importable)."""
@@ -94,7 +87,7 @@ def _ratio(x) -> str:
 
 def run(geometries, batches, contexts, rounds, stages=(1, 2, 3), done=None):
     from geometries import spec
-    from true_on_policy.kernels.attention import candidate_tiles
+    from true_on_policy.kernels.attention import candidate_tiles, tile_label
 
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20) or (50 << 20)
@@ -124,7 +117,7 @@ def run(geometries, batches, contexts, rounds, stages=(1, 2, 3), done=None):
                 if stock:
                     variants["stock"] = stock[0]
                 for t in tiles:
-                    variants[tile_name(t)] = ours_call(q, kbs, vbs, req_to_token, seq_lens, t)
+                    variants[tile_label(t)] = ours_call(q, kbs, vbs, req_to_token, seq_lens, t)
                 graphs = {}
                 for k, fn in variants.items():
                     try:

@@ -263,9 +263,15 @@ def decode_tile_for(hq: int, hkv: int, d: int, batch: int) -> dict | None:
 
 
 def set_decode_tiles(hq: int, hkv: int, d: int, choice: dict[int, dict | None]) -> None:
-    """Install a choice {timed batch: tile or None}; every tile must be a candidate of the layout."""
+    """Install a choice {timed batch: tile or None}; every tile must be a candidate of the layout,
+    with or without a ``split`` (a positive int)."""
     g = hq // hkv
-    bad = [t for t in choice.values() if t is not None and t not in candidate_tiles(g)]
+
+    def ok(t):
+        split = t.get("split", 1)
+        return ({k: v for k, v in t.items() if k != "split"} in candidate_tiles(g) and isinstance(split, int)
+                and not isinstance(split, bool) and split >= 1)
+    bad = [t for t in choice.values() if t is not None and not ok(t)]
     if bad:
         raise KernelLimitError(f"attention: decode tiles {bad} are not candidates for groups of {g} "
                                f"({candidate_tiles(g)})")
@@ -285,6 +291,39 @@ def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
     return best
 
 
+def chooser_tiles(g: int) -> list[dict]:
+    """The candidates the start-up choice times besides the fixed tile: the fewest one-warp rows that
+    hold a group of ``g``, in 2 or 3 stages (wider one-warp tiles and 1 stage were slower wherever
+    timed: docs/throughput.md)."""
+    cands = candidate_tiles(g)[1:]
+    bm = min((t["BLOCK_M"] for t in cands), default=None)
+    return [t for t in cands if t["BLOCK_M"] == bm and t["num_stages"] in (2, 3)]
+
+
+def decode_variants(hq: int, hkv: int, b: int, max_kv_len: int, fill: int) -> list[dict | None]:
+    """What the start-up choice times for ``b`` sequences: the fixed tile as the server launches it
+    (None), then the fixed tile and each of ``chooser_tiles`` with the split rule and, where the rule
+    splits, with 2 and 4 times its split (at most ``max_kv_len``'s segments), each a ``tile`` for
+    ``attention``. Never fewer splits than the rule: a choice timed over a short context must not
+    slow a long one."""
+    g = hq // hkv
+    fixed = candidate_tiles(g)[0]
+    nseg_max = triton.cdiv(max_kv_len, SEG)
+    rule = split_rule(b * hkv, nseg_max, fill)
+    splits = sorted({min(m * rule, nseg_max) for m in (2, 4)} - {rule}) if rule > 1 else []
+    out: list[dict | None] = [None]
+    for t in [fixed, *chooser_tiles(g)]:
+        out += ([] if t is fixed else [t]) + [dict(t, split=s) for s in splits if s >= 1]
+    return out
+
+
+def tile_label(tile: dict | None) -> str:
+    if not tile:
+        return "fixed"
+    name = f"{tile['BLOCK_M']} rows w{tile['num_warps']} s{tile['num_stages']}"
+    return name + (f" split {tile['split']}" if "split" in tile else "")
+
+
 def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
     """Median ms of one CUDA-graph replay of ``reps`` decode calls per tile of ``tiles`` (None: the
     fixed tile) for ``b`` sequences of ``context`` keys at random rows of the pool, the tiles
@@ -299,6 +338,7 @@ def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, rep
     out = torch.empty_like(q)
     fixed = candidate_tiles(hq // k_buf.shape[1])[0]
     graphs = []
+    pool = torch.cuda.graph_pool_handle()  # shared, as SGLang's graphs share one: replayed one at a time
     side = torch.cuda.Stream(device=k_buf.device)
     side.wait_stream(torch.cuda.current_stream(k_buf.device))
     for tile in tiles:
@@ -309,7 +349,7 @@ def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, rep
             call()
         torch.cuda.current_stream(k_buf.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             for _ in range(reps):
                 call()
         graphs.append(graph)
@@ -330,24 +370,24 @@ def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, rep
 
 def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv_len: int, context: int = 1024,
                         rounds: int = 3, reps: int = 10, times_out: dict | None = None) -> dict[int, dict | None]:
-    """Time the fixed tile and every other candidate in the decode form at each batch of ``batches``,
-    ``context`` keys per sequence at random rows of ``k_buf``/``v_buf`` [S, Hkv, D] (the server's KV
-    pool: its memory, not its values, matters) with ``max_kv_len`` as the server passes it (so the
-    split rule splits as it will), alternating the tiles over ``rounds`` rounds; install and return
-    {batch: the fastest tile, None for the fixed tile} (``pick_tile``). Every candidate gives the fixed
-    tile's bits: this decides speed only. ``times_out`` (optional) receives {batch: [median ms of a
-    graph of ``reps`` calls per tile, the fixed tile first, then ``candidate_tiles(G)[1:]`` in order]}.
-    CUDA only; call it outside CUDA-graph capture."""
+    """Time ``decode_variants`` (the fixed tile as launched, then candidate tiles and splits) in the
+    decode form at each batch of ``batches``, ``context`` keys per sequence at random rows of
+    ``k_buf``/``v_buf`` [S, Hkv, D] (the server's KV pool: its memory, not its values, matters) with
+    ``max_kv_len`` as the server passes it, alternating them over ``rounds`` rounds; install and
+    return {batch: the fastest, None for the fixed tile as launched} (``pick_tile``). Every candidate
+    and split gives the fixed tile's bits: this decides speed only. ``times_out`` (optional)
+    receives {batch: {``tile_label``: median ms of a graph of ``reps`` calls}}. CUDA only; call it
+    outside CUDA-graph capture."""
     _check_layout(hq, hkv, d)
-    cands = candidate_tiles(hq // hkv)[1:]
     gen = torch.Generator(device=k_buf.device).manual_seed(0)
     choice: dict[int, dict | None] = {}
     for b in sorted({int(x) for x in batches if int(x) > 0}):
-        med = _time_decode(hq, d, b, [None, *cands], k_buf, v_buf, max_kv_len, context, rounds, reps, gen)
+        variants = decode_variants(hq, hkv, b, max_kv_len, _fill(k_buf))
+        med = _time_decode(hq, d, b, variants, k_buf, v_buf, max_kv_len, context, rounds, reps, gen)
         if times_out is not None:
-            times_out[b] = med
-        best = pick_tile({None: med[0], **{i: t for i, t in enumerate(med[1:])}})
-        choice[b] = None if best is None else cands[best]
+            times_out[b] = {tile_label(v): t for v, t in zip(variants, med, strict=True)}
+        best = pick_tile({None: med[0], **{i: t for i, t in enumerate(med) if i}})
+        choice[b] = None if best is None else variants[best]
     set_decode_tiles(hq, hkv, d, choice)
     return choice
 
@@ -373,6 +413,17 @@ def _check_tile(tile: dict, g: int) -> None:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _fill(t: torch.Tensor) -> int:
+    """Programs a launch should reach before it stops splitting: two per SM (8 when interpreted)."""
+    return 2 * _sm_count(t.device.index or 0) if t.is_cuda and not INTERPRETED else 8
+
+
+def split_rule(programs: int, nseg_max: int, fill: int) -> int:
+    """Programs per (sequence, tile, KV head) that share its segments: enough for ``programs`` to
+    reach ``fill``, at most ``nseg_max`` (1: no split). Speed only: a split changes no bit."""
+    return min(nseg_max, triton.cdiv(fill, programs)) if nseg_max > 1 and programs < fill else 1
 
 
 def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None,
@@ -429,8 +480,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         return out
     programs = b * tiles * hkv
     nseg_max = triton.cdiv(max_kv_len, SEG) if max_kv_len else 0
-    fill = 2 * _sm_count(q.device.index or 0) if q.is_cuda and not INTERPRETED else 8
-    n_split = min(nseg_max, triton.cdiv(fill, programs)) if nseg_max > 1 and programs < fill else 1
+    n_split = split_rule(programs, nseg_max, _fill(q))
     if "split" in tile:
         n_split = max(1, min(tile["split"], nseg_max))
     split = n_split > 1

@@ -16,6 +16,8 @@ prefill-graph previews).
 
 from __future__ import annotations
 
+import time
+
 from true_on_policy import env, patching
 from true_on_policy.manifest import PatchRecord
 from true_on_policy.patching import PatchError, wrap
@@ -45,7 +47,9 @@ def _make_capture(original, target=CAPTURE):
             raise PatchError(f"CUDA-graph capture before the true-on-policy patches: missing {missing}")
         CAPTURED[key] = sorted(int(b) for b in getattr(self, attr, None) or [])
         if target == CAPTURE and env.DECODE_TILES.get("") == "choose":
+            t0 = time.perf_counter()
             CAPTURED["decode_tiles"] = choose_decode_tiles(self.model_runner, CAPTURED[key])
+            CAPTURED["decode_tiles_s"] = round(time.perf_counter() - t0, 3)  # what the choice adds to start-up
         result = original(self, *args, **kwargs)
         CAPTURED["captured"] = True
         if target == PREFILL_CAPTURE:

@@ -44,6 +44,40 @@ def test_decode_tile_for_takes_the_next_timed_batch_up_and_refuses_a_tile_not_a_
         A.clear_decode_tiles()
 
 
+@pytest.mark.parametrize("g,bm", [(1, 16), (4, 16), (8, 16), (12, 16), (16, 16), (20, 32), (32, 32), (48, None)])
+def test_the_choice_times_the_fewest_one_warp_rows_holding_the_group_in_two_or_three_stages(g, bm):
+    tiles = A.chooser_tiles(g)
+    assert tiles == ([dict(BLOCK_M=bm, num_warps=1, num_stages=st) for st in (2, 3)] if bm else [])
+    assert all(t in A.candidate_tiles(g) for t in tiles)
+
+
+@pytest.mark.parametrize("b,hkv,rule", [(1, 4, 66), (16, 4, 5), (64, 4, 2), (64, 6, 1), (256, 4, 1)])
+def test_decode_variants_are_the_fixed_tile_as_launched_then_candidates_with_more_splits(b, hkv, rule):
+    """132 SMs (an H200): the split rule reaches 264 programs. Where it splits, the variants add 2x and
+    4x its split, at most the 320 segments of 40,960 keys; never fewer than the rule."""
+    assert A.split_rule(b * hkv, 320, 264) == rule
+    v = A.decode_variants(8 * hkv, hkv, b, 40960, 264)
+    fixed, one_warp = A.candidate_tiles(8)[0], A.chooser_tiles(8)
+    splits = sorted({min(m * rule, 320) for m in (2, 4)}) if rule > 1 else []
+    assert all(s > rule for s in splits)
+    assert v[0] is None and v[1:] == [dict(fixed, split=s) for s in splits] + [
+        x for t in one_warp for x in [t] + [dict(t, split=s) for s in splits]]
+    assert A.tile_label(v[0]) == "fixed" and A.tile_label(v[-1]).startswith("16 rows w1 s3")
+    assert A.decode_variants(8 * hkv, hkv, b, 100, 264)[1:] == one_warp  # one segment: nothing to split
+
+
+def test_a_chosen_split_is_installed_and_a_bad_one_refused():
+    t = dict(A.chooser_tiles(4)[0], split=4)
+    try:
+        A.set_decode_tiles(24, 6, 128, {8: t, 64: dict(A.candidate_tiles(4)[0], split=2)})
+        assert A.decode_tile_for(24, 6, 128, 5) == t
+        for bad in (dict(t, split=0), dict(t, split=True), dict(t, split=2.0)):
+            with pytest.raises(KernelLimitError, match="not candidates"):
+                A.set_decode_tiles(24, 6, 128, {8: bad})
+    finally:
+        A.clear_decode_tiles()
+
+
 @pytest.mark.parametrize("bs,timed", [([1, 2, 4, 8, 12, 16, 24, 256], [1, 2, 4, 8, 16, 32, 64, 128, 256]),
                                       ([1, 2, 3, 48], [1, 2, 4, 8, 16, 32, 48]), ([1], [1]), ([], [])])
 def test_timed_batches_cover_every_captured_batch(bs, timed):
