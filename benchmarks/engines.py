@@ -76,6 +76,13 @@ def start_engine(name, model_path, mem):
     return TrueOnPolicyEngine(**kw, **({"contract": CONTRACTS[name]} if name in CONTRACTS else {}))
 
 
+def captured_graphs(eng) -> list[dict]:
+    """``true_on_policy.manifest.captured_graphs`` of the engine's manifests; [] for stock."""
+    from true_on_policy import manifest
+
+    return manifest.captured_graphs(eng.manifests())
+
+
 def flush(eng, tries: int = 100) -> None:
     """Empty the engine's prefix (radix) cache; SGLang refuses while a request is still in flight,
     so retry briefly, then raise: a pass must never time cached prompts as if computed."""
@@ -183,6 +190,13 @@ class HttpEngine:
         import requests
 
         return requests.get(self.url + "/server_info", timeout=60).json()
+
+    def manifests(self) -> list[dict]:
+        """The overlay's process manifests (``GET /true_on_policy/manifest``; a stock server has none)."""
+        import requests
+
+        r = requests.get(self.url + "/true_on_policy/manifest", timeout=60)
+        return r.json().get("manifests", []) if r.status_code == 200 else []
 
     def start_profile(self, **req):
         import requests

@@ -34,7 +34,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as wl  # noqa: E402
-from engines import ENGINE_KEYS, HttpEngine, flush, free_gib, runs, start_engine, variant_contract, wait_gpu_free  # noqa: E402
+from engines import (  # noqa: E402
+    ENGINE_KEYS,
+    HttpEngine,
+    captured_graphs,
+    flush,
+    free_gib,
+    runs,
+    start_engine,
+    variant_contract,
+    wait_gpu_free,
+)
 from results import markdown, summarize  # noqa: E402
 
 DEFAULT_VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_v1", "stock_eager_prefill")
@@ -86,6 +96,8 @@ def serve(name, model_path, names, prompts, min_len, max_len, new_tokens, mem, c
     try:  # what bounds the run: KV-cache tokens, admitted requests, the largest captured decode batch
         info = eng.get_server_info()
         engine = {k: info.get(k) for k in ENGINE_KEYS}
+        if hasattr(eng, "manifests"):  # the overlay's variants: what the graph capture recorded and chose
+            engine["captured"] = captured_graphs(eng)
     except Exception as e:  # noqa: BLE001  (recorded, not fatal)
         engine = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
     _say({"ready": name, "engine": engine})

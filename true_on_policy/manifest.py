@@ -144,6 +144,13 @@ def read_all(folder: str | os.PathLike | None = None) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
 
 
+def captured_graphs(manifests: list[dict]) -> list[dict]:
+    """What each scheduler's CUDA-graph capture recorded in its manifest (``patches/cuda_graph.py``:
+    the captured sizes, and the decode attention's chosen tiles and the seconds the choice took where
+    it ran), one entry per scheduler manifest."""
+    return [(m.get("extra") or {}).get("cuda_graph", {}) for m in manifests if m.get("role") == "scheduler"]
+
+
 def check_schedulers(manifests: list[dict], expected: int, fingerprint: str) -> list[str]:
     """Problems with the scheduler manifests of a started engine (empty list = all there)."""
     sched = [m for m in manifests if m.get("role") == "scheduler"]

@@ -15,3 +15,12 @@ def test_write_read_and_check(tmp_path):
     assert check_schedulers(got, 2, "f") == []
     assert "2 scheduler manifest(s) found, 4 expected" in check_schedulers(got, 4, "f")[0]
     assert any("fingerprint" in p for p in check_schedulers(got, 2, "g"))
+
+
+def test_captured_graphs_reads_each_scheduler_manifests_capture_record():
+    from true_on_policy import manifest
+
+    rec = {"decode_batch_sizes": [1, 2], "decode_tiles": [], "decode_tiles_s": 1.5}
+    ms = [{"role": "scheduler", "extra": {"cuda_graph": rec}}, {"role": "tokenizer", "extra": {"cuda_graph": {}}},
+          {"role": "scheduler", "extra": None}, {"role": "scheduler"}]
+    assert manifest.captured_graphs(ms) == [rec, {}, {}]

@@ -760,3 +760,15 @@ def test_the_time_budget_counts_the_checkpoint_build(monkeypatch, tmp_path):
             c.__setitem__("t", c["t"] + b), m)[1])
         assert throughput.main(args) == throughput.EXIT_INCOMPLETE
         assert clock["t"] <= 150.0 and bool(starts) == ran  # after a 100 s build, the next start does not fit
+
+
+def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
+    """The engine record of an overlay variant holds each scheduler manifest's ``cuda_graph`` entry
+    (``tpo_tiles``: the decode attention's chosen tiles and the seconds the choice took)."""
+    record = {"decode_batch_sizes": [1, 2], "decode_tiles": [{"heads": [24, 6, 128], "tiles": {"1": None}}],
+              "decode_tiles_s": 4.2}
+    eng = SimpleNamespace(manifests=lambda: [{"role": "scheduler", "extra": {"cuda_graph": record}},
+                                             {"role": "tokenizer", "extra": {}}, {"role": "scheduler"}])
+    assert engines.captured_graphs(eng) == [record, {}]
+    assert engines.TPO_ENV["tpo_tiles"] == {"TRUE_ON_POLICY_DECODE_TILES": "choose"}
+    assert "tpo_tiles" in throughput.VARIANTS and engines.variant_contract("tpo_tiles") == engines.variant_contract("tpo")

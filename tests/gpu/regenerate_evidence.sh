@@ -3,9 +3,9 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | tp2 | pp2 (two GPUs
+#        attntiles | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect and attntiles)
+#        decodetiles, truncselect, attntiles and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -195,6 +195,15 @@ case $GROUP in
     # candidate, alternated, bits checked (XDIST=8 runs the tests in 8 workers)
     run tier gpu-tier-attention-tiles tests/gpu/test_kernels_gpu.py -k attention_tiles
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --out "$E/bench-attention-decode.json" ;;
+  tilechoice)  # issue 37: the decode attention's start-up choice (TRUE_ON_POLICY_DECODE_TILES=choose) inside a
+    # server: the h1536 truncation stress with it (bitwise the trainer; the file records the chosen tiles), then
+    # h1536e256k6's plain and qwen cells, stock, tpo and tpo_tiles alternated (resumable, like space)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run env TRUE_ON_POLICY_DECODE_TILES=choose python3 -m true_on_policy.harness.stress --geometry h1536 \
+      --out "$E/stress-truncation-h1536-tiles.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain qwen \
+      --variants stock tpo tpo_tiles --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-tiles.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \

@@ -60,6 +60,12 @@ class Server:
         except requests.RequestException:
             return False
 
+    def manifests(self) -> list[dict]:
+        """The overlay's process manifests, as ``GET /true_on_policy/manifest`` serves them."""
+        import requests
+
+        return requests.get(self.url + "/true_on_policy/manifest", timeout=60).json()["manifests"]
+
     def post(self, route: str, body, timeout: float = 300):
         import requests
 

@@ -123,7 +123,7 @@ def send_round(server, bodies: list[dict], workers: int) -> list[dict]:
 def run(args) -> dict:
     import torch
 
-    from true_on_policy import DEFAULT_CONTRACT
+    from true_on_policy import DEFAULT_CONTRACT, env, manifest
     from true_on_policy.contract import get_contract
     from true_on_policy.harness.http import Server, bitwise, trainer, trainer_logprobs
     from true_on_policy.kernels.sampling import TOP_WIDTH
@@ -135,6 +135,7 @@ def run(args) -> dict:
                     log=Path(args.out).with_suffix(".server.log"), mem=args.mem)
     rounds, t0 = [], time.time()
     try:
+        captured = manifest.captured_graphs(server.manifests())  # decode tiles chosen at start-up, if asked
         weights = [a, b] * args.rounds
         for r in range(args.rounds):
             if r:
@@ -183,7 +184,8 @@ def run(args) -> dict:
     return {"schema": SCHEMA, "contract": contract.name, "fingerprint": contract.fingerprint,
             "config": {"geometry": args.geometry, "spec": spec_of(args.geometry), "checkpoints": [a, b],
                        "rounds": args.rounds, "target_tokens": args.tokens, "workers": args.workers, "seed": args.seed,
-                       "server_command": server.command, "updates": "update_weights_from_disk between rounds"},
+                       "server_command": server.command, "updates": "update_weights_from_disk between rounds",
+                       "decode_tiles": env.DECODE_TILES.get("") or "fixed", "server_captured": captured},
             "tokens": tokens, "exact_tokens": exact, "misses": tokens - exact, "truncated_tokens": truncated,
             "truncated_tokens_in_cut_rounds": cut, "server_alive_at_end": alive,
             "rollout_seconds": round(rollout_s, 1), "rounds": per_round,
