@@ -46,7 +46,7 @@ def _make_capture(original, target=CAPTURE):
         if missing:
             raise PatchError(f"CUDA-graph capture before the true-on-policy patches: missing {missing}")
         CAPTURED[key] = sorted(int(b) for b in getattr(self, attr, None) or [])
-        if target == CAPTURE and env.DECODE_TILES.get("") == "choose":
+        if target == CAPTURE and decode_tiles_mode() == "choose":
             t0 = time.perf_counter()
             CAPTURED["decode_tiles"] = choose_decode_tiles(self.model_runner, CAPTURED[key])
             CAPTURED["decode_tiles_s"] = round(time.perf_counter() - t0, 3)  # what the choice adds to start-up
@@ -67,6 +67,19 @@ def _make_capture(original, target=CAPTURE):
     return tpo_capture
 
 
+DECODE_TILE_MODES = ("fixed", "choose")
+
+
+def decode_tiles_mode() -> str:
+    """TRUE_ON_POLICY_DECODE_TILES: "fixed" (also when unset) or "choose"; anything else is refused,
+    naming the variable and its values (a typo must not silently keep the fixed tile)."""
+    mode = (env.DECODE_TILES.get("") or "fixed").strip()
+    if mode not in DECODE_TILE_MODES:
+        raise PatchError(f"{env.DECODE_TILES.name}={mode!r} is not one of {', '.join(DECODE_TILE_MODES)}: unset it "
+                         "(the fixed tile) or set it to 'choose' (the decode attention's tiles timed at start-up)")
+    return mode
+
+
 def timed_batches(capture_bs) -> list[int]:
     """The decode batches the start-up choice times: powers of two below the largest captured batch,
     and that batch (every captured batch takes the choice of the next timed one up)."""
@@ -78,6 +91,7 @@ def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
     """For each head layout of the model's attention layers on this rank: time the decode attention's
     candidate tiles on its KV pool at ``timed_batches`` and install the fastest (speed only: every
     candidate gives the fixed tile's bits). Returns what was chosen, for the manifest."""
+    import torch
     from sglang.srt.layers.radix_attention import RadixAttention
     from true_on_policy.kernels import attention as att
 
@@ -96,6 +110,7 @@ def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
         choice = att.choose_decode_tiles(hq, hkv, d, timed_batches(capture_bs), k.view(k.shape[0], hkv, d),
                                          v.view(v.shape[0], hkv, d), width)
         out.append({"heads": [hq, hkv, d], "tiles": {str(b): t for b, t in choice.items()}})
+    torch.cuda.empty_cache()  # the timing's buffers go back before SGLang sizes its own capture
     return out
 
 
@@ -104,6 +119,7 @@ def _make_prefill_capture(original):
 
 
 def apply(policy) -> PatchRecord:
+    decode_tiles_mode()  # a bad value is refused as the patches install, before the model is built
     reps = [wrap(CAPTURE, _make_capture), wrap(PREFILL_CAPTURE, _make_prefill_capture)]
     return PatchRecord.of("cuda_graph", reps, ["asserts every routing patch is installed before a decode or prefill "
                                                "graph capture; records the captured sizes"])

@@ -48,7 +48,8 @@ DECODE_TILES = EnvVar(
     "TRUE_ON_POLICY_DECODE_TILES",
     "'choose' times the decode attention's candidate tiles (kernels.attention.candidate_tiles, each the fixed "
     "tile's bits) at start-up, before the decode CUDA graphs are captured, and keeps the fastest per batch; "
-    "anything else keeps the fixed tile. Speed only: no bit depends on it",
+    "'fixed' or unset keeps the fixed tile; any other value is refused when the patches install. Speed only: "
+    "no bit depends on it",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(
