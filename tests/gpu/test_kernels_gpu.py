@@ -239,8 +239,8 @@ TILE_HEADS = [(32, 4), (64, 4), (96, 8), (40, 2), (24, 6), (16, 2)]
 
 @pytest.mark.parametrize("hq,hkv", TILE_HEADS)
 def test_attention_tiles_equal_prefill(hq, hkv, gpu_evidence):
-    """Every candidate launch tile (``attention.candidate_tiles``: fewer rows, other warps and stages),
-    split or not, gives the fixed tile's bits: the decode form of a batch at positions across the
+    """Every candidate launch tile (``attention.candidate_tiles``: the fixed tile, and one warp over
+    fewer rows in other stages), split or not, gives the fixed tile's bits: the decode form of a batch at positions across the
     64-key blocks and 128-key segments == those rows of the fixed tile's prefill; and a chunked
     prefill in the candidate tile == the fixed one's rows. Lists every candidate that differs."""
     from true_on_policy.kernels.attention import candidate_tiles
@@ -278,8 +278,9 @@ def test_attention_tiles_equal_prefill(hq, hkv, gpu_evidence):
 def test_attention_tiles_chosen_at_start_up_keep_the_bits(hq, hkv, gpu_evidence):
     """``choose_decode_tiles`` as the decode capture runs it (powers of two up to 256 over a paged
     K/V pool, the server's 40,960-token bound): whatever it picks, a decode batch with the choice
-    installed == the fixed tile, at the timed batches and between them, sequences of mixed lengths.
-    Records the choice and every candidate's median time per batch (the fixed tile first)."""
+    installed == the fixed tile, at the timed batches and between them, sequences of mixed lengths;
+    and so does every variant the choice times (``decode_variants``: tiles and splits) at 1, 16 and 64
+    sequences. Records the choice and every variant's median time per batch."""
     import true_on_policy.kernels.attention as A
 
     g, d, pool = _gen(hq + hkv), 128, 300_000
@@ -296,6 +297,10 @@ def test_attention_tiles_chosen_at_start_up_keep_the_bits(hq, hkv, gpu_evidence)
             fixed = attention(q, kb, vb, table, None, None, None, 1, max_kv_len=40960, seq_lens=lens,
                               tile=A.candidate_tiles(hq // hkv)[0])
             _same(chosen, fixed, f"{hq}/{hkv} batch {b} chosen {A.decode_tile_for(hq, hkv, d, b)}")
+            if b in (1, 16, 64):
+                for v in A.decode_variants(hq, hkv, b, 40960, A._fill(q))[1:]:
+                    _same(attention(q, kb, vb, table, None, None, None, 1, max_kv_len=40960, seq_lens=lens, tile=v),
+                          fixed, f"{hq}/{hkv} batch {b} variant {A.tile_label(v)}")
     finally:
         A.clear_decode_tiles()
     gpu_evidence.append({"test": f"attention_tiles_chosen_{hq}q{hkv}kv", "candidates": A.candidate_tiles(hq // hkv),
