@@ -76,13 +76,6 @@ def start_engine(name, model_path, mem):
     return TrueOnPolicyEngine(**kw, **({"contract": CONTRACTS[name]} if name in CONTRACTS else {}))
 
 
-def captured_graphs(eng) -> list[dict]:
-    """``true_on_policy.manifest.captured_graphs`` of the engine's manifests; [] for stock."""
-    from true_on_policy import manifest
-
-    return manifest.captured_graphs(eng.manifests())
-
-
 def flush(eng, tries: int = 100) -> None:
     """Empty the engine's prefix (radix) cache; SGLang refuses while a request is still in flight,
     so retry briefly, then raise: a pass must never time cached prompts as if computed."""

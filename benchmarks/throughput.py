@@ -37,7 +37,6 @@ import workloads as wl  # noqa: E402
 from engines import (  # noqa: E402
     ENGINE_KEYS,
     HttpEngine,
-    captured_graphs,
     flush,
     free_gib,
     runs,
@@ -97,7 +96,9 @@ def serve(name, model_path, names, prompts, min_len, max_len, new_tokens, mem, c
         info = eng.get_server_info()
         engine = {k: info.get(k) for k in ENGINE_KEYS}
         if hasattr(eng, "manifests"):  # the overlay's variants: what the graph capture recorded and chose
-            engine["captured"] = captured_graphs(eng)
+            from true_on_policy import manifest
+
+            engine["captured"] = manifest.captured_graphs(eng.manifests())
     except Exception as e:  # noqa: BLE001  (recorded, not fatal)
         engine = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
     _say({"ready": name, "engine": engine})

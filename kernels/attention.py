@@ -313,7 +313,7 @@ def decode_variants(hq: int, hkv: int, b: int, max_kv_len: int, fill: int) -> li
     splits = sorted({min(m * rule, nseg_max) for m in (2, 4)} - {rule}) if rule > 1 else []
     out: list[dict | None] = [None]
     for t in [fixed, *chooser_tiles(g)]:
-        out += ([] if t is fixed else [t]) + [dict(t, split=s) for s in splits if s >= 1]
+        out += ([] if t is fixed else [t]) + [dict(t, split=s) for s in splits]
     return out
 
 

@@ -769,6 +769,8 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
               "decode_tiles_s": 4.2}
     eng = SimpleNamespace(manifests=lambda: [{"role": "scheduler", "extra": {"cuda_graph": record}},
                                              {"role": "tokenizer", "extra": {}}, {"role": "scheduler"}])
-    assert engines.captured_graphs(eng) == [record, {}]
+    from true_on_policy import manifest
+
+    assert manifest.captured_graphs(eng.manifests()) == [record, {}]
     assert engines.TPO_ENV["tpo_tiles"] == {"TRUE_ON_POLICY_DECODE_TILES": "choose"}
     assert "tpo_tiles" in throughput.VARIANTS and engines.variant_contract("tpo_tiles") == engines.variant_contract("tpo")
