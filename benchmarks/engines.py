@@ -12,8 +12,9 @@ Stock variants run SGLang with the overlay off; each is triton attention + pytor
 - ``deterministic``: SGLang's deterministic mode (slower by design: never a ratio's bar).
 
 Overlay variants run ``--true-on-policy``: ``tpo`` and ``tpo_no_logprob`` the default contract
-(``true_on_policy.DEFAULT_CONTRACT``), the others the contract ``CONTRACTS`` names; ``tpo_tiles``
-is ``tpo`` with the decode attention's tiles chosen at start-up (``TPO_ENV``: the same bits).
+(``true_on_policy.DEFAULT_CONTRACT``), the others the contract ``CONTRACTS`` names. ``tpo`` chooses
+the decode attention's tiles at start-up (the default); ``tpo_fixed`` is ``tpo`` with the fixed tile
+and ``tpo_tiles`` names the choice explicitly (``TPO_ENV``: the same bits, speed only).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import time
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
 CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1"}
-TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"}}  # a variant's environment (speed only)
+TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant's environment (speed only)
+           "tpo_fixed": {"TRUE_ON_POLICY_DECODE_TILES": "fixed"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

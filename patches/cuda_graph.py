@@ -6,7 +6,7 @@ we assert that every routing patch of this process is installed (a patch applied
 would be silently bypassed on replay) and record what was captured in the process manifest:
 the decode batch sizes and, where the contract turns prefill graphs on (the prefill-graph
 preview contracts; v1 and flat force them off, so their prefill capture never runs), the
-prefill token counts. With TRUE_ON_POLICY_DECODE_TILES=choose the decode runner's capture first
+prefill token counts. Unless TRUE_ON_POLICY_DECODE_TILES=fixed, the decode runner's capture first
 times the decode attention's candidate tiles for each batch (``choose_decode_tiles``; every
 candidate gives the fixed tile's bits) and the manifest records the choice. Replay pads a batch up
 to the next captured size; every kernel is row-independent, so the padded rows change no bit of
@@ -67,16 +67,17 @@ def _make_capture(original, target=CAPTURE):
     return tpo_capture
 
 
-DECODE_TILE_MODES = ("fixed", "choose")
+DECODE_TILE_MODES = ("choose", "fixed")
 
 
 def decode_tiles_mode() -> str:
-    """TRUE_ON_POLICY_DECODE_TILES: "fixed" (also when unset) or "choose"; anything else is refused,
-    naming the variable and its values (a typo must not silently keep the fixed tile)."""
-    mode = (env.DECODE_TILES.get("") or "fixed").strip()
+    """TRUE_ON_POLICY_DECODE_TILES: "choose" (also when unset) or "fixed"; anything else is refused,
+    naming the variable and its values (a typo must not silently change what runs)."""
+    mode = (env.DECODE_TILES.get("") or "choose").strip()
     if mode not in DECODE_TILE_MODES:
         raise PatchError(f"{env.DECODE_TILES.name}={mode!r} is not one of {', '.join(DECODE_TILE_MODES)}: unset it "
-                         "(the fixed tile) or set it to 'choose' (the decode attention's tiles timed at start-up)")
+                         "(the decode attention's tiles timed at start-up) or set it to 'fixed' (the fixed tile, "
+                         "no timing at start-up)")
     return mode
 
 
@@ -101,9 +102,7 @@ def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
     for m in model_runner.model.modules():
         if isinstance(m, RadixAttention):
             layouts.setdefault((m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim), m.layer_id)
-    if not layouts:
-        raise PatchError("true-on-policy decode tiles: the model has no RadixAttention layer to time")
-    out = []
+    out = []  # a rank without attention layers (a pipeline stage) has nothing to time
     for (hq, hkv, d), layer_id in sorted(layouts.items()):
         k = pool.get_key_buffer(layer_id)
         v = pool.get_value_buffer(layer_id)

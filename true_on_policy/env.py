@@ -46,10 +46,10 @@ CACHE_DIR = EnvVar(
 )
 DECODE_TILES = EnvVar(
     "TRUE_ON_POLICY_DECODE_TILES",
-    "'choose' times the decode attention's candidate tiles (kernels.attention.candidate_tiles, each the fixed "
-    "tile's bits) at start-up, before the decode CUDA graphs are captured, and keeps the fastest per batch; "
-    "'fixed' or unset keeps the fixed tile; any other value is refused when the patches install. Speed only: "
-    "no bit depends on it",
+    "'choose' or unset times the decode attention's candidate tiles (kernels.attention.candidate_tiles, each the "
+    "fixed tile's bits) at start-up, before the decode CUDA graphs are captured, and keeps the fastest per batch; "
+    "'fixed' keeps the fixed tile and skips the timing; any other value is refused when the patches install. "
+    "Speed only: no bit depends on it",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(

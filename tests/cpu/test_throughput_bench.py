@@ -764,7 +764,7 @@ def test_the_time_budget_counts_the_checkpoint_build(monkeypatch, tmp_path):
 
 def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     """The engine record of an overlay variant holds each scheduler manifest's ``cuda_graph`` entry
-    (``tpo_tiles``: the decode attention's chosen tiles and the seconds the choice took)."""
+    (the decode attention's chosen tiles and the seconds the choice took; ``tpo_fixed``: none, the fixed tile)."""
     record = {"decode_batch_sizes": [1, 2], "decode_tiles": [{"heads": [24, 6, 128], "tiles": {"1": None}}],
               "decode_tiles_s": 4.2}
     eng = SimpleNamespace(manifests=lambda: [{"role": "scheduler", "extra": {"cuda_graph": record}},
@@ -773,4 +773,6 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
 
     assert manifest.captured_graphs(eng.manifests()) == [record, {}]
     assert engines.TPO_ENV["tpo_tiles"] == {"TRUE_ON_POLICY_DECODE_TILES": "choose"}
-    assert "tpo_tiles" in throughput.VARIANTS and engines.variant_contract("tpo_tiles") == engines.variant_contract("tpo")
+    assert engines.TPO_ENV["tpo_fixed"] == {"TRUE_ON_POLICY_DECODE_TILES": "fixed"}
+    for v in ("tpo_tiles", "tpo_fixed"):
+        assert v in throughput.VARIANTS and engines.variant_contract(v) == engines.variant_contract("tpo")

@@ -195,15 +195,13 @@ case $GROUP in
     # candidate, alternated, bits checked (XDIST=8 runs the tests in 8 workers)
     run tier gpu-tier-attention-tiles tests/gpu/test_kernels_gpu.py -k attention_tiles
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --out "$E/bench-attention-decode.json" ;;
-  tilechoice)  # issue 37: the decode attention's start-up choice (TRUE_ON_POLICY_DECODE_TILES=choose) inside a
-    # server: the h1536 truncation stress with it (bitwise the trainer; the file records the chosen tiles), then
-    # h1536e256k6's plain and qwen cells, stock, tpo and tpo_tiles alternated (resumable, like space)
+  tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
+    # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
+    # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    run env TRUE_ON_POLICY_DECODE_TILES=choose python3 -m true_on_policy.harness.stress --geometry h1536 \
-      --out "$E/stress-truncation-h1536-tiles.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain qwen \
-      --variants stock tpo tpo_tiles --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
-      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-tiles.json" ;;
+      --variants stock tpo tpo_fixed --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-choice.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
