@@ -1,13 +1,15 @@
 """The variants the benchmarks compare, and how each one's engine is started.
 
 Stock variants run SGLang with the overlay off; each is triton attention + pytorch sampling
-(``STOCK_BASE``) but for the one argument it names (``STOCK_EXTRA``):
+(``STOCK_BASE``) but for the arguments it names (``STOCK_EXTRA``):
 
 - ``stock``: as the project has always compared against;
 - ``stock_fi``: SGLang's flashinfer sampling (it differs from ``stock`` only on rows that truncate:
   SGLang samples untruncated rows with torch whatever the backend, so it runs the truncating
   workloads alone, ``VARIANT_WORKLOADS``);
 - ``stock_eager_prefill``: prefill CUDA graphs off (the contracts run prefills eagerly);
+- ``stock_flashinfer``: SGLang's flashinfer attention and sampling (a stock whose decode computes
+  every head group as the model defines it; its sampling is ``stock_fi``'s);
 - ``stock_auto``: SGLang's own choice of attention and sampling backends on the host;
 - ``deterministic``: SGLang's deterministic mode (slower by design: never a ratio's bar).
 
@@ -33,6 +35,7 @@ STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},
                "stock_fi": {"sampling_backend": "flashinfer"},
+               "stock_flashinfer": {"attention_backend": "flashinfer", "sampling_backend": "flashinfer"},
                "stock_auto": {"attention_backend": None, "sampling_backend": None}}  # None: SGLang chooses
 FAIR_STOCK = tuple(v for v in STOCK_EXTRA if v != "deterministic")  # the stocks a ratio may be taken against
 VARIANT_WORKLOADS = {"stock_fi": ("qwen",)}  # variants that run only some workloads (else every one)

@@ -254,6 +254,8 @@ def test_stock_variants_differ_only_in_their_named_argument(monkeypatch):
     assert diff("deterministic") == {"enable_deterministic_inference": True}
     assert diff("stock_eager_prefill") == {"cuda_graph_backend_prefill": "disabled"}
     assert diff("stock_fi") == {"sampling_backend": "flashinfer"}
+    assert diff("stock_flashinfer") == {"attention_backend": "flashinfer", "sampling_backend": "flashinfer"}
+    assert "stock_flashinfer" in throughput.OPTIONAL and engines.runs("stock_flashinfer", "plain")
     assert diff("stock_auto") == {"attention_backend": None, "sampling_backend": None}  # SGLang's own choice
     assert set(engines.FAIR_STOCK) == set(engines.STOCK_EXTRA) - {"deterministic"}
     assert engines.runs("stock_fi", "qwen") and not engines.runs("stock_fi", "tail") and engines.runs("tpo", "long")

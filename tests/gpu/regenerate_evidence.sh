@@ -168,7 +168,7 @@ case $GROUP in
     for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
       if [ "$GROUP" = space ]; then
         run $B/throughput.py --geometry "$g" --workload ${WORKLOADS:-plain qwen tail long} \
-          --variants ${VARIANTS:-stock stock_fi stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
+          --variants ${VARIANTS:-stock stock_fi stock_flashinfer stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
           --http --make-room --resume --time-budget "${TIME_BUDGET:-540}" \
           --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else
