@@ -9,8 +9,8 @@ On a machine without CUDA both kernels run in Triton's interpreter (set before T
 so the CPU answers the question too. One sequence of ``--context`` keys, one query; fp32 inputs for
 stock (what is checked is which KV head a query head reads, not rounding) and bf16 for ours (the
 dtype it serves), each against the reference at its own inputs. A head is "off" when its largest
-error exceeds ``--tol``; the reference is ``softmax(q k^T / sqrt(d)) v`` in fp32 with each query
-head reading KV head ``h // (Hq / Hkv)``.
+error exceeds ``--tol``; the reference is ``kernels.attention.attention_reference``: softmax(q k^T /
+sqrt(d)) v in fp32, each query head reading KV head ``h // (Hq / Hkv)``, rounded to the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ def _interpret_without_cuda() -> bool:
 
 
 def reference(q, k, v):
-    """[Hq, D] from q [Hq, D] and k, v [L, Hkv, D], in fp32."""
+    """[Hq, D] from q [Hq, D] and k, v [L, Hkv, D]: ``attention_reference`` (fp32, rounded to q's dtype)
+    for the one query at the last position."""
     import torch
+    from true_on_policy.kernels.attention import attention_reference
 
-    g = q.shape[0] // k.shape[1]
-    kk, vv = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
-    p = torch.softmax(torch.einsum("hd,lhd->hl", q.float(), kk) / math.sqrt(q.shape[1]), -1)
-    return torch.einsum("hl,lhd->hd", p, vv)
+    n, dev = k.shape[0], q.device
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    return attention_reference(q[None], k, v, torch.arange(n, dtype=torch.int32, device=dev)[None], one - 1, one,
+                               one * (n - 1))[0]
 
 
 def stock(q, k, v, splits: int = 2):
