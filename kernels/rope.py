@@ -182,6 +182,14 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+@triton.jit
+def _rotate(base, c, s, i, ok, HALF: tl.constexpr):
+    """One head's rotation of the tokens at ``base`` (fp32; both kernels inline this one body)."""
+    x1 = tl.load(base + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
 @triton.jit(do_not_specialize=["T"])
 def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride_oh,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -192,12 +200,47 @@ def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride
     tt = t.to(tl.int64)[:, None]
     c = tl.load(COS + tt * HALF + i[None, :], mask=ok, other=0.0)
     s = tl.load(SIN + tt * HALF + i[None, :], mask=ok, other=0.0)
-    base = X + tt * stride_xt + h * stride_xh
-    x1 = tl.load(base + i[None, :], mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    lo, hi = _rotate(X + tt * stride_xt + h * stride_xh, c, s, i, ok, HALF)
     o = OUT + tt * stride_ot + h * stride_oh
-    tl.store(o + i[None, :], (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=ok)
-    tl.store(o + HALF + i[None, :], (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(o + i[None, :], lo.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(o + HALF + i[None, :], hi.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rope_qk_kernel(Q, K, V, QO, KO, KC, VC, LOC, COS, SIN, T, HQ, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
+                    s_kct, s_vct, HALF: tl.constexpr, BLOCK_T: tl.constexpr, STORE_KV: tl.constexpr):
+    """Programs (token block, head) over HQ query heads then the key heads: q and k rotated in one
+    launch (``_rotate``, as ``_rope_kernel``); with STORE_KV a key head also writes its rotated
+    values and the token's value head into the KV cache rows ``LOC`` (SGLang's fused K/V write)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    ok = (t < T)[:, None]
+    tt = t.to(tl.int64)[:, None]
+    c = tl.load(COS + tt * HALF + i[None, :], mask=ok, other=0.0)
+    s = tl.load(SIN + tt * HALF + i[None, :], mask=ok, other=0.0)
+    if h < HQ:
+        lo, hi = _rotate(Q + tt * s_qt + h * s_qh, c, s, i, ok, HALF)
+        o = QO + tt * (HQ * 2 * HALF) + h * (2 * HALF)
+        tl.store(o + i[None, :], lo.to(QO.dtype.element_ty), mask=ok)
+        tl.store(o + HALF + i[None, :], hi.to(QO.dtype.element_ty), mask=ok)
+    else:
+        hk = h - HQ
+        hkv = tl.num_programs(1) - HQ
+        lo, hi = _rotate(K + tt * s_kt + hk * s_kh, c, s, i, ok, HALF)
+        lo, hi = lo.to(KO.dtype.element_ty), hi.to(KO.dtype.element_ty)
+        o = KO + tt * (hkv * 2 * HALF) + hk * (2 * HALF)
+        tl.store(o + i[None, :], lo, mask=ok)
+        tl.store(o + HALF + i[None, :], hi, mask=ok)
+        if STORE_KV:
+            loc = tl.load(LOC + t, mask=t < T, other=0).to(tl.int64)[:, None]
+            kc = KC + loc * s_kct + hk * (2 * HALF)
+            tl.store(kc + i[None, :], lo, mask=ok)
+            tl.store(kc + HALF + i[None, :], hi, mask=ok)
+            vr = V + tt * s_vt + hk * s_vh
+            vc = VC + loc * s_vct + hk * (2 * HALF)
+            tl.store(vc + i[None, :], tl.load(vr + i[None, :], mask=ok, other=0.0), mask=ok)
+            tl.store(vc + HALF + i[None, :], tl.load(vr + HALF + i[None, :], mask=ok, other=0.0), mask=ok)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -213,3 +256,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
                                                    x.stride(1), out.stride(0), out.stride(1), HALF=d // 2,
                                                    BLOCK_T=BLOCK_T)
     return out
+
+
+def _heads(x: torch.Tensor, t: int, d: int, name: str) -> torch.Tensor:
+    """x [T, H*D] or [T, H, D] with unit stride inside a token -> a [T, H, D] view (no copy)."""
+    if x.dim() == 2 and x.shape[0] == t and x.shape[1] % d == 0 and x.stride(1) == 1:
+        return x.view(t, x.shape[1] // d, d) if x.is_contiguous() else x.as_strided((t, x.shape[1] // d, d),
+                                                                                   (x.stride(0), d, 1))
+    if x.dim() == 3 and x.shape[0] == t and x.shape[2] == d and x.stride(2) == 1:
+        return x
+    raise KernelLimitError(f"apply_rope_qk: {name} must be [T, H*{d}] or [T, H, {d}] with unit last stride, "
+                           f"got {tuple(x.shape)} strides {x.stride()}")
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq*D], k [T, Hkv*D] -> (rotated q, rotated k), new contiguous tensors of those shapes,
+    bitwise ``apply_rope`` of each, in one launch. ``kv_cache`` = (v [T, Hkv*D], k_cache [N, Hkv*D],
+    v_cache [N, Hkv*D], loc [T] int): also writes the rotated k and v into the caches' rows loc."""
+    t, d = q.shape[0], head_dim
+    if d & (d - 1) or k.shape[0] != t:
+        raise KernelLimitError(f"apply_rope_qk: head_dim {d} must be a power of two, q and k one row per token")
+    if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
+        raise KernelLimitError(f"apply_rope_qk: cos/sin must be fp32 [{t}, {d // 2}]")
+    q3, k3 = _heads(q, t, d, "q"), _heads(k, t, d, "k")
+    hq, hkv = q3.shape[1], k3.shape[1]
+    qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if kv_cache is None:
+        v3, kc, vc, loc, store = k3, ko, ko, cos, False  # placeholders: STORE_KV is off
+    else:
+        v, kc, vc, loc = kv_cache
+        v3, store = _heads(v, t, d, "v"), True
+        if v3.shape[1] != hkv or kc.dim() != 2 or kc.shape[1] != hkv * d or vc.shape[1:] != kc.shape[1:] or \
+                kc.stride(1) != 1 or vc.stride(1) != 1 or loc.shape != (t,) or loc.dtype.is_floating_point:
+            raise KernelLimitError(f"apply_rope_qk: the K/V write needs v [T, {hkv}*{d}], caches [N, {hkv * d}] "
+                                   f"and loc [T] int, got v {tuple(v.shape)}, caches {tuple(kc.shape)} and "
+                                   f"{tuple(vc.shape)}, loc {tuple(loc.shape)} {loc.dtype}")
+        if not (kc.dtype == vc.dtype == k.dtype == v.dtype):
+            raise KernelLimitError(f"apply_rope_qk: the K/V write stores {k.dtype}/{v.dtype} into caches of "
+                                   f"{kc.dtype}/{vc.dtype}; a cast is not in the contract")
+    if t and hq + hkv:
+        _rope_qk_kernel[(triton.cdiv(t, BLOCK_T), hq + hkv)](
+            q3, k3, v3, qo, ko, kc, vc, loc, cos.contiguous(), sin.contiguous(), t, hq, q3.stride(0), q3.stride(1),
+            k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), kc.stride(0), vc.stride(0), HALF=d // 2,
+            BLOCK_T=BLOCK_T, STORE_KV=store)
+    return qo, ko
+
+
+def apply_rope_qk_reference(q, k, cos, sin, head_dim, kv_cache=None):
+    """Torch form of ``apply_rope_qk``: ``apply_rope_reference`` of q and k, then the K/V write."""
+    t, d = q.shape[0], head_dim
+    qo = apply_rope_reference(q.reshape(t, -1, d), cos, sin).reshape(q.shape)
+    ko = apply_rope_reference(k.reshape(t, -1, d), cos, sin).reshape(k.shape)
+    if kv_cache is not None:
+        v, kc, vc, loc = kv_cache
+        kc[loc.long()] = ko.reshape(t, -1)
+        vc[loc.long()] = v.reshape(t, -1)
+    return qo, ko

@@ -1,10 +1,11 @@
 """Qwen3-MoE model seam (sglang/srt/models/qwen3_moe.py).
 
-1. The stock crash fix. Under any ``rl_on_policy_target`` SGLang's RoPE runs
-   ``forward_native``, which asserts ``fused_set_kv_buffer_arg is None``, while
-   ``Qwen3MoeAttention`` passes that argument whenever the KV cache is bf16 on CUDA. We turn the
-   fused K/V write and the fused qk-norm+RoPE off per instance; ``forward_core`` then saves K/V
-   itself (both call sites read the same flag). The same hook asserts that the layer's rotary
+1. The K/V write. ``Qwen3MoeAttention`` passes ``fused_set_kv_buffer_arg`` to its RoPE whenever
+   the KV cache is bf16 on CUDA (``compatible_with_fused_kv_buffer``, left as SGLang sets it) and
+   its attention then skips the write (both call sites read the same flag); stock SGLang's
+   ``forward_native`` asserts the argument is None, the contract's RoPE (patches/rope.py) does the
+   write in its launch. The fused qk-norm+RoPE kernel is turned off per instance (QK-norm below,
+   RoPE in patches/rope.py). The same hook asserts that the layer's rotary
    embedding is bound to the contract's RoPE (patches/rope.py), i.e. that the patches were in
    place before the model was built, and that its class and YaRN parameters are the ones the
    trainer reads from the config (``patches.rope.check_built``).
@@ -28,14 +29,14 @@ from true_on_policy.patching import PatchError, after, replacing, wrap
 ATTENTION_INIT = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__"
 MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal"
 QK_NORM = "sglang.srt.models.qwen3_moe.apply_qk_norm"
-_FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")
+_FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
 def _attention_built(_result, self, *args, **kwargs) -> None:
     for flag in _FLAGS:
         if not hasattr(self, flag):
             raise PatchError(f"{ATTENTION_INIT}: instance has no {flag!r}; the overlay supports sglang 0.5.17")
-        setattr(self, flag, False)
+    self.use_fused_qk_norm_rope = False
     bound = getattr(getattr(self, "rotary_emb", None), "_forward_method", None)
     if getattr(bound, "__func__", None) is None or getattr(bound.__func__, "__true_on_policy_patch__", None) is None:
         raise PatchError(f"{ATTENTION_INIT}: rotary embedding {type(getattr(self, 'rotary_emb', None)).__name__} "
@@ -83,7 +84,8 @@ def apply(policy) -> PatchRecord:
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     return PatchRecord.of("qwen3_moe", reps,
-                          [f"per attention instance: {', '.join(_FLAGS)} = False; RoPE binding asserted",
+                          ["per attention instance: use_fused_qk_norm_rope = False (the K/V write fused into the contract's RoPE); "
+                           "RoPE binding asserted",
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
                            "MoE-TP tree roots gathered, EP slot outputs summed exactly)",
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"])

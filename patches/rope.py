@@ -118,16 +118,24 @@ def check_built(emb, config) -> None:
 
 
 def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
-    from true_on_policy.kernels.rope import apply_rope
+    """q and k rotated in one launch (``kernels.rope.apply_rope_qk``, bitwise ``apply_rope`` of
+    each). With SGLang's ``fused_set_kv_buffer_arg`` (``Qwen3MoeAttention`` passes it when the KV
+    cache is bf16 on CUDA, and its attention then skips the K/V write) the same launch stores the
+    rotated k and the value rows into the KV cache at ``cache_loc``: the bits the attention backend's
+    own write would store."""
+    from true_on_policy.kernels.rope import apply_rope_qk
 
-    if fused_set_kv_buffer_arg is not None or offsets is not None:
-        raise PatchError(f"{FORWARD_NATIVE}: fused K/V write and offsets are not in the contract")
+    if offsets is not None:
+        raise PatchError(f"{FORWARD_NATIVE}: position offsets are not in the contract")
     scaling = rope_of(self)
     n, d = positions.numel(), self.head_size
     cos, sin = _cos_sin_of_forward(self, positions, scaling)
-    q = apply_rope(query.reshape(n, -1, d).contiguous(), cos, sin).view(query.shape)
-    k = apply_rope(key.reshape(n, -1, d).contiguous(), cos, sin).view(key.shape)
-    return q, k
+    kv = None
+    if fused_set_kv_buffer_arg is not None:
+        a = fused_set_kv_buffer_arg
+        kv = (a.value.reshape(n, -1), a.k_buffer, a.v_buffer, a.cache_loc)
+    q, k = apply_rope_qk(query.reshape(n, -1), key.reshape(n, -1), cos, sin, d, kv)
+    return q.view(query.shape), k.view(key.shape)
 
 
 def apply(policy) -> PatchRecord:
@@ -135,4 +143,4 @@ def apply(policy) -> PatchRecord:
     return PatchRecord.of("rope", reps,
                           ["fp32 cos/sin from positions (kernels.rope.cos_sin; YaRN from the instance's parameters), "
                            "built once per forward (dropped when Qwen3MoeForCausalLM.forward starts), fp32 apply, one "
-                           "rounding; other rotary classes refused"])
+                           "rounding, q and k in one launch with SGLang's fused K/V write; other rotary classes refused"])

@@ -139,7 +139,7 @@ def test_attention_patch_refuses_an_instance_without_the_flag_or_our_rope():
     rope._forward_method = ours.__get__(rope)
     ok.rotary_emb = rope
     qwen3_moe._attention_built(None, ok)
-    assert ok.compatible_with_fused_kv_buffer is False and ok.use_fused_qk_norm_rope is False
+    assert ok.compatible_with_fused_kv_buffer is True and ok.use_fused_qk_norm_rope is False  # the write: our RoPE
     ok.config = types.SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                                        "original_max_position_embeddings": 64})
     with pytest.raises(PatchError, match="would compute different models"):  # a yarn config built as plain RoPE

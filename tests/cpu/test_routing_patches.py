@@ -117,6 +117,21 @@ for emb, scaling in ((instance(RotaryEmbedding), None),
     torch.testing.assert_close(ko.view(5, 2, 64).float(), apply_rope_reference(k.view(5, 2, 64), c, s).float(),
                                rtol=2e-2, atol=4e-2)
 assert not torch.equal(cos_sin(pos, 64, 1e6)[0], c)  # YaRN is not plain RoPE
+# SGLang's fused K/V write (its FusedSetKVBufferArg: q, k, v split from one qkv row): the same q and k
+# bits, the rotated k and the value rows stored at cache_loc, every other cache row untouched
+from sglang.kernels.ops.attention.rope import FusedSetKVBufferArg
+qkv = torch.randn(5, 8 * 64, generator=g).bfloat16()
+qs, ks, vs = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+kb, vb = torch.randn(12, 2 * 64, generator=g).bfloat16(), torch.randn(12, 2 * 64, generator=g).bfloat16()
+kb0, vb0, loc = kb.clone(), vb.clone(), torch.tensor([7, 0, 11, 3, 4])
+qo, ko = RotaryEmbedding.forward_native(emb, pos, qs.contiguous(), ks.contiguous())
+qf, kf = RotaryEmbedding.forward_native(emb, pos, qs, ks, fused_set_kv_buffer_arg=FusedSetKVBufferArg(
+    value=vs, k_buffer=kb, v_buffer=vb, cache_loc=loc))
+assert torch.equal(qf, qo) and torch.equal(kf, ko) and qf.shape == qs.shape and kf.shape == ks.shape
+assert torch.equal(kb[loc], ko) and torch.equal(vb[loc], vs)
+rest = torch.ones(12, dtype=torch.bool)
+rest[loc] = False
+assert torch.equal(kb[rest], kb0[rest]) and torch.equal(vb[rest], vb0[rest])
 try:
     RotaryEmbedding.forward_native(instance(LinearScalingRotaryEmbedding, scaling_factors=[2.0]), pos, q, k)
 except PatchError as e:

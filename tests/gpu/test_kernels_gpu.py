@@ -22,7 +22,7 @@ from true_on_policy.kernels.logprobs import (
 from true_on_policy.kernels.matmul import DOWN_TMA, matmul, tree_sum
 from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, tp_shard
 from true_on_policy.kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
+from true_on_policy.kernels.rope import apply_rope, apply_rope_qk, apply_rope_reference, cos_sin
 from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reference
 
 pytestmark = pytest.mark.gpu
@@ -320,6 +320,33 @@ def test_rope(gpu_evidence):
         _same(cn, c[:n], f"cos rows={n}")
         _same(apply_rope(x[:n].clone(), cn, sn), out[:n], f"rope rows={n}")
     gpu_evidence.append({"test": "rope_32h_d128", "rel_err_vs_f64": rel, "batch_invariant_counts": COUNTS})
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (40, 2), (64, 4)])
+def test_rope_qk_and_kv_write_are_apply_ropes_bits(gpu_evidence, hq, hkv):
+    """q and k rotated in one launch (the rollout's RoPE) are bitwise ``apply_rope`` of each (the
+    trainer's), from the strided q/k/v views of one qkv row; the fused K/V write stores exactly the
+    rotated k and the value rows at the given cache rows and nothing else."""
+    d, g = 128, _gen(hq + hkv)
+    for n in COUNTS:
+        qkv = _randn(g, n, (hq + 2 * hkv) * d)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        c, s = cos_sin(torch.arange(n, device="cuda") * 7 + 3, d, 1e6)
+        kc, vc = _randn(g, 2 * n + 5, hkv * d), _randn(g, 2 * n + 5, hkv * d)
+        kc0, vc0 = kc.clone(), vc.clone()
+        loc = torch.randperm(2 * n + 5, device="cuda", generator=g)[:n]
+        qo, ko = apply_rope_qk(q, k, c, s, d, (v, kc, vc, loc))
+        _same(qo.view(n, hq, d), apply_rope(q.reshape(n, hq, d), c, s), f"q {hq}/{hkv} rows={n}")
+        _same(ko.view(n, hkv, d), apply_rope(k.reshape(n, hkv, d), c, s), f"k {hq}/{hkv} rows={n}")
+        _same(kc[loc], ko, f"k cache {hq}/{hkv} rows={n}")
+        _same(vc[loc], v, f"v cache {hq}/{hkv} rows={n}")
+        rest = torch.ones(2 * n + 5, dtype=torch.bool, device="cuda")
+        rest[loc] = False
+        _same(kc[rest], kc0[rest], "k cache elsewhere")
+        _same(vc[rest], vc0[rest], "v cache elsewhere")
+        for a, b in zip(apply_rope_qk(q, k, c, s, d), (qo, ko), strict=True):
+            _same(a, b, f"without the K/V write {hq}/{hkv} rows={n}")
+    gpu_evidence.append({"test": f"rope_qk_kv_write_{hq}q{hkv}kv_d{d}", "bitwise_apply_rope": True, "counts": COUNTS})
 
 
 @pytest.mark.parametrize("rows,n_out,k,segments", [(1, 2048, 768, 8), (64, 2048, 768, 8), (257, 2048, 768, 8),

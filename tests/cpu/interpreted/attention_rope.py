@@ -3,7 +3,7 @@ chunked prefill, across 64-key block and 128-key segment boundaries; split-KV ==
 the decode form), RoPE apply invariance."""
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
-from true_on_policy.kernels.rope import apply_rope, apply_rope_reference, cos_sin
+from true_on_policy.kernels.rope import apply_rope, apply_rope_qk, apply_rope_reference, cos_sin
 
 g = torch.Generator().manual_seed(0)
 for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
@@ -39,6 +39,15 @@ for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
     r = apply_rope(q, c, s)
     torch.testing.assert_close(r.float(), apply_rope_reference(q, c, s).float(), rtol=2e-2, atol=4e-2)
     assert torch.equal(apply_rope(q[5:9].clone(), c[5:9], s[5:9]), r[5:9])
+    # q and k in one launch: each bitwise apply_rope; the K/V write stores the rotated k and v at loc
+    qkv = torch.cat([q.reshape(L, -1), k.reshape(L, -1), v.reshape(L, -1)], -1)
+    qs, ks, vs = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    kc, vc = torch.zeros(L + 9, hkv * d).bfloat16(), torch.zeros(L + 9, hkv * d).bfloat16()
+    loc = torch.randperm(L + 9, generator=g)[:L]
+    qo, ko = apply_rope_qk(qs, ks, c, s, d, (vs, kc, vc, loc))
+    assert torch.equal(qo.view(L, hq, d), r) and torch.equal(ko.view(L, hkv, d), apply_rope(k, c, s))
+    assert torch.equal(kc[loc], ko) and torch.equal(vc[loc], vs) and not kc[~torch.isin(torch.arange(L + 9), loc)].any()
+    assert all(torch.equal(a, b) for a, b in zip(apply_rope_qk(qs, ks, c, s, d), (qo, ko), strict=True))
 # across segments: split-KV (max_kv_len given, few programs) and the decode form give the same bits
 hq, hkv, d, L = 4, 2, 64, 530
 q = torch.randn(L, hq, d, generator=g).bfloat16()
