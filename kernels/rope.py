@@ -227,16 +227,16 @@ def _rope_qk_kernel(Q, K, V, QO, KO, KC, VC, LOC, COS, SIN, T, HQ, s_qt, s_qh, s
     else:
         hk = h - HQ
         hkv = tl.num_programs(1) - HQ
-        lo, hi = _rotate(K + tt * s_kt + hk * s_kh, c, s, i, ok, HALF)
-        lo, hi = lo.to(KO.dtype.element_ty), hi.to(KO.dtype.element_ty)
+        k_lo, k_hi = _rotate(K + tt * s_kt + hk * s_kh, c, s, i, ok, HALF)
+        k_lo, k_hi = k_lo.to(KO.dtype.element_ty), k_hi.to(KO.dtype.element_ty)
         o = KO + tt * (hkv * 2 * HALF) + hk * (2 * HALF)
-        tl.store(o + i[None, :], lo, mask=ok)
-        tl.store(o + HALF + i[None, :], hi, mask=ok)
+        tl.store(o + i[None, :], k_lo, mask=ok)
+        tl.store(o + HALF + i[None, :], k_hi, mask=ok)
         if STORE_KV:
             loc = tl.load(LOC + t, mask=t < T, other=0).to(tl.int64)[:, None]
             kc = KC + loc * s_kct + hk * (2 * HALF)
-            tl.store(kc + i[None, :], lo, mask=ok)
-            tl.store(kc + HALF + i[None, :], hi, mask=ok)
+            tl.store(kc + i[None, :], k_lo, mask=ok)
+            tl.store(kc + HALF + i[None, :], k_hi, mask=ok)
             vr = V + tt * s_vt + hk * s_vh
             vc = VC + loc * s_vct + hk * (2 * HALF)
             tl.store(vc + i[None, :], tl.load(vr + i[None, :], mask=ok, other=0.0), mask=ok)
