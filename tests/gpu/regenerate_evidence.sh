@@ -3,9 +3,9 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | tilechoice | tp2 | pp2 (two GPUs
+#        attntiles | ropeqk | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles and tilechoice)
+#        decodetiles, truncselect, attntiles, ropeqk and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -195,6 +195,9 @@ case $GROUP in
     # candidate, alternated, bits checked (XDIST=8 runs the tests in 8 workers)
     run tier gpu-tier-attention-tiles tests/gpu/test_kernels_gpu.py -k attention_tiles
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --out "$E/bench-attention-decode.json" ;;
+  ropeqk)  # issue 37: q and k rotated in one launch with SGLang's fused K/V write, bitwise apply_rope of each and the
+    # cache rows written, four head layouts (the flat group's a3b48 parity line runs it inside a server)
+    run tier gpu-tier-rope-qk tests/gpu/test_kernels_gpu.py -k rope ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
