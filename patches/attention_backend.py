@@ -7,7 +7,8 @@ extend path (``_forward_extend_unified``, reached after K/V are saved) and ``for
 with one kernel that reads K/V through ``req_to_token`` rows: the same code and the same
 per-row bits whether a position is computed in a prefill, after a cached prefix, or as a single
 decode step -- and the trainer runs the same kernel on contiguous tensors. Decode is graph-safe
-(static shapes; the K/V write is SGLang's own ``_set_kv_buffer``).
+(static shapes). The K/V write is the contract's RoPE launch where SGLang fuses it into RoPE (a bf16
+cache on CUDA: patches/rope.py), else SGLang's own ``_set_kv_buffer`` here.
 """
 
 from __future__ import annotations
