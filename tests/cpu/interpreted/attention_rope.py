@@ -3,7 +3,13 @@ chunked prefill, across 64-key block and 128-key segment boundaries; split-KV ==
 the decode form), RoPE apply invariance."""
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
-from true_on_policy.kernels.rope import apply_rope, apply_rope_qk, apply_rope_reference, cos_sin
+from true_on_policy.kernels.rope import (
+    apply_rope,
+    apply_rope_qk,
+    apply_rope_qk_reference,
+    apply_rope_reference,
+    cos_sin,
+)
 
 g = torch.Generator().manual_seed(0)
 for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
@@ -48,6 +54,11 @@ for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
     assert torch.equal(qo.view(L, hq, d), r) and torch.equal(ko.view(L, hkv, d), apply_rope(k, c, s))
     assert torch.equal(kc[loc], ko) and torch.equal(vc[loc], vs) and not kc[~torch.isin(torch.arange(L + 9), loc)].any()
     assert all(torch.equal(a, b) for a, b in zip(apply_rope_qk(qs, ks, c, s, d), (qo, ko), strict=True))
+    kr_c, vr_c = torch.zeros_like(kc), torch.zeros_like(vc)  # the torch reference: the interpreter rounds by truncation
+    qr, kr = apply_rope_qk_reference(qs, ks, c, s, d, (vs, kr_c, vr_c, loc))
+    torch.testing.assert_close(qo.float(), qr.float(), rtol=2e-2, atol=4e-2)
+    torch.testing.assert_close(ko.float(), kr.float(), rtol=2e-2, atol=4e-2)
+    assert torch.equal(kr_c[loc], kr) and torch.equal(vr_c, vc)
 # across segments: split-KV (max_kv_len given, few programs) and the decode form give the same bits
 hq, hkv, d, L = 4, 2, 64, 530
 q = torch.randn(L, hq, d, generator=g).bfloat16()
