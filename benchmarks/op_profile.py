@@ -39,11 +39,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_ops  # noqa: E402
-from engines import CONTRACTS, STOCK_EXTRA, stock_args  # noqa: E402
+from engines import CONTRACTS, STOCK_EXTRA, TPO_ENV, stock_args  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 from workloads import QWEN_SAMPLING  # noqa: E402
 
-VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1")
+VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1", "tpo_qknr")
 SAMPLING = {"plain": {}, "qwen": QWEN_SAMPLING}  # the workloads' per-request sampling
 
 
@@ -71,6 +71,7 @@ def _server_args(variant: str, model_path: str, max_bs: int, mem: float, manifes
     from true_on_policy.contract.launch_plan import apply_env, build_plan_from_kwargs
     from true_on_policy.contract.policy import RuntimePolicy
 
+    os.environ.update(TPO_ENV.get(variant, {}))  # this process profiles one variant (speed only: the same bits)
     plan = build_plan_from_kwargs(get_contract(variant_contract(variant)), kw)
     apply_env(plan, manifest_dir)
     patches.apply_all(RuntimePolicy.from_env("scheduler"))  # what the plugin does in a scheduler

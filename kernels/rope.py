@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
+from true_on_policy.kernels.rmsnorm import TILE_H, TILE_ROWS, rmsnorm_reference
 
 BLOCK_T = 16  # tokens per program; elementwise, the tile size changes no bit
 ROPE_TYPES = ("default", "yarn")
@@ -206,12 +207,33 @@ def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride
     tl.store(o + HALF + i[None, :], hi.to(OUT.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _qk_norm(base, out, W, eps, HD, ok, BLOCK_D: tl.constexpr):
+    """QK-norm of one head's tokens at ``base`` into ``out`` (the rows ``_rotate`` then reads):
+    ``_rmsnorm_tile_kernel``'s ops on a tile of its shape (TILE_ROWS rows of BLOCK_D lanes, one
+    ``tl.sum`` per row, the launch's warps), so every row is rmsnorm's bits."""
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < HD
+    m = ok & cmask[None, :]
+    s = tl.load(base + cols[None, :], mask=m, other=0.0)
+    sf = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / HD + eps)
+    n = (sf * inv[:, None]).to(s.dtype)
+    w = tl.load(W + cols, mask=cmask, other=0.0)
+    tl.store(out + cols[None, :], (w.to(tl.float32)[None, :] * n.to(tl.float32)).to(s.dtype), mask=m)
+    tl.debug_barrier()  # the rotation reads back elements other threads of the program stored
+
+
 @triton.jit(do_not_specialize=["T"])
-def _rope_qk_kernel(Q, K, V, QO, KO, KC, VC, LOC, COS, SIN, T, HQ, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
-                    s_kct, s_vct, HALF: tl.constexpr, BLOCK_T: tl.constexpr, STORE_KV: tl.constexpr):
+def _rope_qk_kernel(Q, K, V, QO, KO, KC, VC, LOC, COS, SIN, QW, KW, EPS_Q, EPS_K, HD, T, HQ, s_qt, s_qh, s_kt, s_kh,
+                    s_vt, s_vh, s_kct, s_vct, HALF: tl.constexpr, BLOCK_T: tl.constexpr, STORE_KV: tl.constexpr,
+                    NORM: tl.constexpr):
     """Programs (token block, head) over HQ query heads then the key heads: q and k rotated in one
     launch (``_rotate``, as ``_rope_kernel``); with STORE_KV a key head also writes its rotated
-    values and the token's value head into the KV cache rows ``LOC`` (SGLang's fused K/V write)."""
+    values and the token's value head into the KV cache rows ``LOC`` (SGLang's fused K/V write).
+    With NORM each head is first QK-normed into its output rows (``_qk_norm``, weights QW / KW),
+    and the rotation reads those rows back: the separate norm's output, rotated as ``_rope_kernel``
+    rotates it."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
@@ -220,16 +242,24 @@ def _rope_qk_kernel(Q, K, V, QO, KO, KC, VC, LOC, COS, SIN, T, HQ, s_qt, s_qh, s
     c = tl.load(COS + tt * HALF + i[None, :], mask=ok, other=0.0)
     s = tl.load(SIN + tt * HALF + i[None, :], mask=ok, other=0.0)
     if h < HQ:
-        lo, hi = _rotate(Q + tt * s_qt + h * s_qh, c, s, i, ok, HALF)
         o = QO + tt * (HQ * 2 * HALF) + h * (2 * HALF)
+        src = Q + tt * s_qt + h * s_qh
+        if NORM:
+            _qk_norm(src, o, QW, EPS_Q, HD, ok, 2 * HALF)
+            src = o
+        lo, hi = _rotate(src, c, s, i, ok, HALF)
         tl.store(o + i[None, :], lo.to(QO.dtype.element_ty), mask=ok)
         tl.store(o + HALF + i[None, :], hi.to(QO.dtype.element_ty), mask=ok)
     else:
         hk = h - HQ
         hkv = tl.num_programs(1) - HQ
-        k_lo, k_hi = _rotate(K + tt * s_kt + hk * s_kh, c, s, i, ok, HALF)
-        k_lo, k_hi = k_lo.to(KO.dtype.element_ty), k_hi.to(KO.dtype.element_ty)
         o = KO + tt * (hkv * 2 * HALF) + hk * (2 * HALF)
+        src = K + tt * s_kt + hk * s_kh
+        if NORM:
+            _qk_norm(src, o, KW, EPS_K, HD, ok, 2 * HALF)
+            src = o
+        k_lo, k_hi = _rotate(src, c, s, i, ok, HALF)
+        k_lo, k_hi = k_lo.to(KO.dtype.element_ty), k_hi.to(KO.dtype.element_ty)
         tl.store(o + i[None, :], k_lo, mask=ok)
         tl.store(o + HALF + i[None, :], k_hi, mask=ok)
         if STORE_KV:
@@ -270,10 +300,12 @@ def _heads(x: torch.Tensor, t: int, d: int, name: str) -> torch.Tensor:
 
 
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                  kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kv_cache: tuple | None = None, qk_norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq*D], k [T, Hkv*D] -> (rotated q, rotated k), new contiguous tensors of those shapes,
     bitwise ``apply_rope`` of each, in one launch. ``kv_cache`` = (v [T, Hkv*D], k_cache [N, Hkv*D],
-    v_cache [N, Hkv*D], loc [T] int): also writes the rotated k and v into the caches' rows loc."""
+    v_cache [N, Hkv*D], loc [T] int): also writes the rotated k and v into the caches' rows loc.
+    ``qk_norm`` = (q_weight [D], k_weight [D], q_eps, k_eps): QK-norm first, in the same launch,
+    bitwise ``rmsnorm_heads`` of q and of k (D at most ``rmsnorm.TILE_H``)."""
     t, d = q.shape[0], head_dim
     if d & (d - 1) or k.shape[0] != t:
         raise KernelLimitError(f"apply_rope_qk: head_dim {d} must be a power of two, q and k one row per token")
@@ -295,17 +327,33 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         if not (kc.dtype == vc.dtype == k.dtype == v.dtype):
             raise KernelLimitError(f"apply_rope_qk: the K/V write stores {k.dtype}/{v.dtype} into caches of "
                                    f"{kc.dtype}/{vc.dtype}; a cast is not in the contract")
+    if qk_norm is None:
+        qw, kw, eq, ek, norm = cos, cos, 0.0, 0.0, False  # placeholders: NORM is off
+    else:
+        qw, kw, eq, ek = qk_norm
+        norm = True
+        if d > TILE_H or BLOCK_T != TILE_ROWS or qw.shape != (d,) or kw.shape != (d,) or \
+                not (qw.dtype == kw.dtype == q.dtype == k.dtype) or not (qw.is_contiguous() and kw.is_contiguous()):
+            raise KernelLimitError(f"apply_rope_qk: the QK-norm needs head_dim <= {TILE_H} and contiguous weights "
+                                   f"[{d}] of q's dtype, got head_dim {d}, weights {tuple(qw.shape)} {qw.dtype} and "
+                                   f"{tuple(kw.shape)} {kw.dtype}, q {q.dtype}")
     if t and hq + hkv:
         _rope_qk_kernel[(triton.cdiv(t, BLOCK_T), hq + hkv)](
-            q3, k3, v3, qo, ko, kc, vc, loc, cos.contiguous(), sin.contiguous(), t, hq, q3.stride(0), q3.stride(1),
-            k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), kc.stride(0), vc.stride(0), HALF=d // 2,
-            BLOCK_T=BLOCK_T, STORE_KV=store)
+            q3, k3, v3, qo, ko, kc, vc, loc, cos.contiguous(), sin.contiguous(), qw, kw, float(eq), float(ek), d, t,
+            hq, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), kc.stride(0),
+            vc.stride(0), HALF=d // 2, BLOCK_T=BLOCK_T, STORE_KV=store, NORM=norm,
+            num_warps=4)  # rmsnorm's tile form launches 4 warps: its lanes, its per-row sums
     return qo, ko
 
 
-def apply_rope_qk_reference(q, k, cos, sin, head_dim, kv_cache=None):
-    """Torch form of ``apply_rope_qk``: ``apply_rope_reference`` of q and k, then the K/V write."""
+def apply_rope_qk_reference(q, k, cos, sin, head_dim, kv_cache=None, qk_norm=None):
+    """Torch form of ``apply_rope_qk``: ``rmsnorm_reference`` of each head (with ``qk_norm``), then
+    ``apply_rope_reference`` of q and k, then the K/V write."""
     t, d = q.shape[0], head_dim
+    if qk_norm is not None:
+        qw, kw, eq, ek = qk_norm
+        q = rmsnorm_reference(q.reshape(-1, d), qw, eq).reshape(t, -1)
+        k = rmsnorm_reference(k.reshape(-1, d), kw, ek).reshape(t, -1)
     qo = apply_rope_reference(q.reshape(t, -1, d), cos, sin).reshape(q.shape)
     ko = apply_rope_reference(k.reshape(t, -1, d), cos, sin).reshape(k.shape)
     if kv_cache is not None:

@@ -5,7 +5,9 @@
    its attention then skips the write (both call sites read the same flag); stock SGLang's
    ``forward_native`` asserts the argument is None, the contract's RoPE (patches/rope.py) does the
    write in its launch. The fused qk-norm+RoPE kernel is turned off per instance (QK-norm below,
-   RoPE in patches/rope.py). The same hook asserts that the layer's rotary
+   RoPE in patches/rope.py). With ``TRUE_ON_POLICY_QK_NORM_ROPE=fused`` ``apply_qk_norm_rope``
+   (split qkv, QK-norm, RoPE, K/V write) is replaced by one launch that QK-norms, rotates and
+   writes (``patches.rope.rotate_qk`` with ``qk_norm``): the separate path's bits. The same hook asserts that the layer's rotary
    embedding is bound to the contract's RoPE (patches/rope.py), i.e. that the patches were in
    place before the model was built, and that its class and YaRN parameters are the ones the
    trainer reads from the config (``patches.rope.check_built``).
@@ -23,12 +25,15 @@
 
 from __future__ import annotations
 
+from true_on_policy import env
 from true_on_policy.manifest import PatchRecord
 from true_on_policy.patching import PatchError, after, replacing, wrap
 
 ATTENTION_INIT = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__"
 MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal"
 QK_NORM = "sglang.srt.models.qwen3_moe.apply_qk_norm"
+QK_NORM_ROPE = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.apply_qk_norm_rope"
+QK_NORM_ROPE_MODES = ("separate", "fused")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -45,17 +50,55 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
     from true_on_policy.patches.rope import check_built
 
     check_built(self.rotary_emb, getattr(self, "config", None))  # class and parameters (YaRN) as the trainer's
+    if qk_norm_rope_mode() == "fused":
+        from true_on_policy.kernels.rmsnorm import TILE_H
+
+        if self.head_dim > TILE_H:
+            raise PatchError(f"{env.QK_NORM_ROPE.name}=fused: head_dim {self.head_dim} is over the fused QK-norm's "
+                             f"{TILE_H}; unset it (the norm in its own launches)")
+
+
+def qk_norm_rope_mode() -> str:
+    """TRUE_ON_POLICY_QK_NORM_ROPE: "separate" (also when unset) or "fused"; anything else is refused,
+    naming the variable and its values (a typo must not silently change what runs)."""
+    mode = (env.QK_NORM_ROPE.get("") or "separate").strip()
+    if mode not in QK_NORM_ROPE_MODES:
+        raise PatchError(f"{env.QK_NORM_ROPE.name}={mode!r} is not one of {', '.join(QK_NORM_ROPE_MODES)}: unset "
+                         "it (the QK-norm in launches of its own) or set it to 'fused' (the QK-norm in the RoPE launch)")
+    return mode
+
+
+def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:
+    for name, t, norm in (("q", q, q_norm), ("k", k, k_norm)):
+        if t.dim() != 2 or tuple(norm.weight.shape) != (head_dim,) or getattr(norm, "variance_size_override", None):
+            raise PatchError(f"{where}: {name} {tuple(t.shape)} with a norm of weight {tuple(norm.weight.shape)} "
+                             f"is not the contract's per-head QK-norm (head_dim {head_dim})")
 
 
 def tpo_apply_qk_norm(q, k, q_norm, k_norm, head_dim, alt_stream=None, allow_inplace=True):
     from true_on_policy.kernels.rmsnorm import rmsnorm_heads
 
-    for name, t, norm in (("q", q, q_norm), ("k", k, k_norm)):
-        if t.dim() != 2 or tuple(norm.weight.shape) != (head_dim,) or getattr(norm, "variance_size_override", None):
-            raise PatchError(f"{QK_NORM}: {name} {tuple(t.shape)} with a norm of weight {tuple(norm.weight.shape)} "
-                             f"is not the contract's per-head QK-norm (head_dim {head_dim})")
+    _check_qk_norm(q, k, q_norm, k_norm, head_dim, QK_NORM)
     return (rmsnorm_heads(q, q_norm.weight, q_norm.variance_epsilon).view(q.shape),
             rmsnorm_heads(k, k_norm.weight, k_norm.variance_epsilon).view(k.shape))
+
+
+def tpo_apply_qk_norm_rope(self, qkv, positions, forward_batch):
+    """SGLang's unfused branch (split, QK-norm, RoPE with the K/V write where SGLang would fuse it)
+    in one launch: ``rotate_qk`` with the layer's QK-norm weights, ``rmsnorm_heads`` then RoPE bit
+    for bit. The attention then saves the K/V itself exactly when SGLang's own branch would have it do so."""
+    from sglang.srt.models import qwen3_moe as m
+    from true_on_policy.patches.rope import rotate_qk
+
+    q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    _check_qk_norm(q, k, self.q_norm, self.k_norm, self.head_dim, QK_NORM_ROPE)
+    kv = None
+    if m.enable_fused_set_kv_buffer(forward_batch) and self.compatible_with_fused_kv_buffer:
+        kv = m.create_fused_set_kv_buffer_arg(value=v, layer=self.attn, forward_batch=forward_batch)
+    norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)
+    q, k = rotate_qk(self.rotary_emb, positions, q, k, kv, norms)
+    self._used_fused_qk_norm_rope_last_call = False  # forward_core: save the K/V unless written above
+    return q, k, v
 
 
 def tpo_moe_forward_normal(self, hidden_states):
@@ -81,11 +124,16 @@ def tpo_moe_forward_normal(self, hidden_states):
 
 
 def apply(policy) -> PatchRecord:
+    fused = qk_norm_rope_mode() == "fused"  # a bad value is refused as the patches install
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
+    if fused:
+        reps.append(wrap(QK_NORM_ROPE, replacing(tpo_apply_qk_norm_rope)))
     return PatchRecord.of("qwen3_moe", reps,
                           ["per attention instance: use_fused_qk_norm_rope = False (the K/V write fused into the contract's RoPE); "
                            "RoPE binding asserted",
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
                            "MoE-TP tree roots gathered, EP slot outputs summed exactly)",
-                           "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"])
+                           "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
+                           + ("; with the RoPE and K/V write in one launch (TRUE_ON_POLICY_QK_NORM_ROPE=fused)"
+                              if fused else "")])

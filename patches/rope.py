@@ -117,25 +117,30 @@ def check_built(emb, config) -> None:
                          "would compute different models")
 
 
-def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
-    """q and k rotated in one launch (``kernels.rope.apply_rope_qk``, bitwise ``apply_rope`` of
-    each). With SGLang's ``fused_set_kv_buffer_arg`` (``Qwen3MoeAttention`` passes it when the KV
-    cache is bf16 on CUDA, and its attention then skips the K/V write) the same launch stores the
-    rotated k and the value rows into the KV cache at ``cache_loc``: the bits the attention backend's
-    own write would store."""
+def rotate_qk(emb, positions, query, key, kv_arg=None, qk_norm=None):
+    """q and k rotated by ``emb``'s RoPE in one launch (``kernels.rope.apply_rope_qk``, bitwise
+    ``apply_rope`` of each). With SGLang's ``FusedSetKVBufferArg`` ``kv_arg`` the same launch stores
+    the rotated k and the value rows into the KV cache at ``cache_loc``: the bits the attention
+    backend's own write would store. ``qk_norm`` (weights and eps of q and k) QK-norms each head
+    first, in the same launch (``rmsnorm_heads``' bits)."""
     from true_on_policy.kernels.rope import apply_rope_qk
 
+    scaling = rope_of(emb)
+    n, d = positions.numel(), emb.head_size
+    cos, sin = _cos_sin_of_forward(emb, positions, scaling)
+    kv = None
+    if kv_arg is not None:
+        kv = (kv_arg.value.reshape(n, -1), kv_arg.k_buffer, kv_arg.v_buffer, kv_arg.cache_loc)
+    q, k = apply_rope_qk(query.reshape(n, -1), key.reshape(n, -1), cos, sin, d, kv, qk_norm)
+    return q.view(query.shape), k.view(key.shape)
+
+
+def tpo_rope(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
+    """``rotate_qk``. ``Qwen3MoeAttention`` passes ``fused_set_kv_buffer_arg`` when the KV cache is
+    bf16 on CUDA, and its attention then skips the K/V write."""
     if offsets is not None:
         raise PatchError(f"{FORWARD_NATIVE}: position offsets are not in the contract")
-    scaling = rope_of(self)
-    n, d = positions.numel(), self.head_size
-    cos, sin = _cos_sin_of_forward(self, positions, scaling)
-    kv = None
-    if fused_set_kv_buffer_arg is not None:
-        a = fused_set_kv_buffer_arg
-        kv = (a.value.reshape(n, -1), a.k_buffer, a.v_buffer, a.cache_loc)
-    q, k = apply_rope_qk(query.reshape(n, -1), key.reshape(n, -1), cos, sin, d, kv)
-    return q.view(query.shape), k.view(key.shape)
+    return rotate_qk(self, positions, query, key, fused_set_kv_buffer_arg)
 
 
 def apply(policy) -> PatchRecord:

@@ -52,6 +52,13 @@ DECODE_TILES = EnvVar(
     "Speed only: no bit depends on it",
 )
 
+QK_NORM_ROPE = EnvVar(
+    "TRUE_ON_POLICY_QK_NORM_ROPE",
+    "'fused' runs each attention layer's QK-norm inside its RoPE launch (kernels.rope.apply_rope_qk with qk_norm: "
+    "rmsnorm's bits, one launch for norm, RoPE and K/V write); 'separate' or unset keeps the norm's own launches; any "
+    "other value is refused when the patches install. Speed only: no bit depends on it",
+)
+
 TEST_KERNEL_LIMIT = EnvVar(
     "TRUE_ON_POLICY_TEST_KERNEL_LIMIT",
     "tests only: makes chosen batches raise a KernelLimitError after their forward, e.g. "

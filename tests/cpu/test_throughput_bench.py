@@ -339,6 +339,8 @@ def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch):
     from true_on_policy.rollout import engine as eng_mod
 
     monkeypatch.setattr(eng_mod, "TrueOnPolicyEngine", lambda **kw: kw)
+    for key in {k for env in engines.TPO_ENV.values() for k in env}:  # start_engine sets a variant's environment:
+        monkeypatch.setenv(key, "")  # undone after the test, so no later test inherits it
     popen = []
     monkeypatch.setattr(engines.subprocess, "Popen", lambda cmd, **kw: popen.append(cmd) or None)
     monkeypatch.setattr(engines.HttpEngine, "_wait_up", lambda self, t: None)
@@ -776,5 +778,6 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     assert manifest.captured_graphs(eng.manifests()) == [record, {}]
     assert engines.TPO_ENV["tpo_tiles"] == {"TRUE_ON_POLICY_DECODE_TILES": "choose"}
     assert engines.TPO_ENV["tpo_fixed"] == {"TRUE_ON_POLICY_DECODE_TILES": "fixed"}
-    for v in ("tpo_tiles", "tpo_fixed"):
+    assert engines.TPO_ENV["tpo_qknr"] == {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"}
+    for v in ("tpo_tiles", "tpo_fixed", "tpo_qknr"):
         assert v in throughput.VARIANTS and engines.variant_contract(v) == engines.variant_contract("tpo")

@@ -3,9 +3,9 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | tilechoice | tp2 | pp2 (two GPUs
+#        attntiles | ropeqk | qknormrope | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles, ropeqk and tilechoice)
+#        decodetiles, truncselect, attntiles, ropeqk, qknormrope and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -198,6 +198,16 @@ case $GROUP in
   ropeqk)  # issue 37: q and k rotated in one launch with SGLang's fused K/V write, bitwise apply_rope of each and the
     # cache rows written, four head layouts (the flat group's a3b48 parity line runs it inside a server)
     run tier gpu-tier-rope-qk tests/gpu/test_kernels_gpu.py -k rope ;;
+  qknormrope)  # issue 37: the QK-norm inside the RoPE launch (TRUE_ON_POLICY_QK_NORM_ROPE=fused; off by default): its
+    # kernel bits (the RoPE tests, rmsnorm then RoPE bit for bit at five head layouts), the h1536 truncation stress
+    # with it inside a server, and h1536e256k6's plain and tail cells, stock, tpo and tpo_qknr alternated (resumable)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-qk-norm-rope tests/gpu/test_kernels_gpu.py -k rope
+    run env TRUE_ON_POLICY_QK_NORM_ROPE=fused python3 -m true_on_policy.harness.stress --geometry h1536 \
+      --out "$E/stress-truncation-h1536-qknr.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
+      --variants stock tpo tpo_qknr --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-qknr.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too

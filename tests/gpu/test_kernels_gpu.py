@@ -349,6 +349,42 @@ def test_rope_qk_and_kv_write_are_apply_ropes_bits(gpu_evidence, hq, hkv):
     gpu_evidence.append({"test": f"rope_qk_kv_write_{hq}q{hkv}kv_d{d}", "bitwise_apply_rope": True, "counts": COUNTS})
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (24, 6, 128), (40, 2, 128), (64, 4, 128), (16, 2, 64)])
+def test_qk_norm_in_the_rope_launch_is_rmsnorm_then_ropes_bits(gpu_evidence, hq, hkv, d):
+    """QK-norm, RoPE and the K/V write in one launch (TRUE_ON_POLICY_QK_NORM_ROPE=fused) give the
+    separate path's bits: ``rmsnorm_heads`` of q and k, then ``apply_rope_qk`` with the K/V write;
+    and the trainer's (``rmsnorm`` on the copied head rows, then ``apply_rope``). From the strided
+    views of one qkv row, at every token count, with a large-magnitude row in each call."""
+    from true_on_policy.kernels.rmsnorm import rmsnorm_heads
+
+    g = _gen(hq * hkv + d)
+    qw, kw = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16(), _randn(g, d)
+    for n in COUNTS:
+        qkv = _randn(g, n, (hq + 2 * hkv) * d, scale=3.0)
+        qkv[n // 2] *= 40  # a row whose squares reach far above the others
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        c, s = cos_sin(torch.arange(n, device="cuda") * 7 + 3, d, 1e6)
+        kc, vc = _randn(g, 2 * n + 5, hkv * d), _randn(g, 2 * n + 5, hkv * d)
+        kc1, vc1 = kc.clone(), vc.clone()
+        loc = torch.randperm(2 * n + 5, device="cuda", generator=g)[:n]
+        qo, ko = apply_rope_qk(q, k, c, s, d, (v, kc, vc, loc), (qw, kw, 1e-6, 1e-5))
+        qn, kn = rmsnorm_heads(q, qw, 1e-6).view(n, -1), rmsnorm_heads(k, kw, 1e-5).view(n, -1)
+        qs, ks = apply_rope_qk(qn, kn, c, s, d, (v, kc1, vc1, loc))
+        what = f"{hq}/{hkv}x{d} rows={n}"
+        _same(qo, qs, f"q {what}")
+        _same(ko, ks, f"k {what}")
+        _same(kc, kc1, f"k cache {what}")
+        _same(vc, vc1, f"v cache {what}")
+        trainer_q = apply_rope(rmsnorm(q.reshape(-1, d).contiguous(), qw, 1e-6).view(n, hq, d), c, s)
+        trainer_k = apply_rope(rmsnorm(k.reshape(-1, d).contiguous(), kw, 1e-5).view(n, hkv, d), c, s)
+        _same(qo.view(n, hq, d), trainer_q, f"q vs the trainer's {what}")
+        _same(ko.view(n, hkv, d), trainer_k, f"k vs the trainer's {what}")
+        for a, b in zip(apply_rope_qk(q, k, c, s, d, None, (qw, kw, 1e-6, 1e-5)), (qo, ko), strict=True):
+            _same(a, b, f"without the K/V write {what}")
+    gpu_evidence.append({"test": f"qk_norm_rope_{hq}q{hkv}kv_d{d}", "bitwise_rmsnorm_then_rope": True,
+                         "counts": COUNTS})
+
+
 @pytest.mark.parametrize("rows,n_out,k,segments", [(1, 2048, 768, 8), (64, 2048, 768, 8), (257, 2048, 768, 8),
                                                    (4097, 2048, 768, 8), (64, 2048, 384, 4), (64, 2048, 96, 1),
                                                    (33, 2048, 4096, 8), (300, 136, 1536, 8)])

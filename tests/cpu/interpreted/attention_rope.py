@@ -1,8 +1,9 @@
 """Interpreted: attention through an index table (paged == contiguous, decode == prefill ==
 chunked prefill, across 64-key block and 128-key segment boundaries; split-KV == one program;
-the decode form), RoPE apply invariance."""
+the decode form), RoPE apply invariance, q and k in one launch with the K/V write and the QK-norm."""
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
+from true_on_policy.kernels.rmsnorm import rmsnorm_heads
 from true_on_policy.kernels.rope import (
     apply_rope,
     apply_rope_qk,
@@ -59,6 +60,16 @@ for hq, hkv, d in ((4, 2, 64), (8, 2, 128)):
     torch.testing.assert_close(qo.float(), qr.float(), rtol=2e-2, atol=4e-2)
     torch.testing.assert_close(ko.float(), kr.float(), rtol=2e-2, atol=4e-2)
     assert torch.equal(kr_c[loc], kr) and torch.equal(vr_c, vc)
+    # with the QK-norm in the same launch: rmsnorm_heads of q and k, then the rotation and write above
+    qw, kw = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16(), (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
+    kn_c, vn_c = torch.zeros_like(kc), torch.zeros_like(vc)
+    qno, kno = apply_rope_qk(qs, ks, c, s, d, (vs, kn_c, vn_c, loc), (qw, kw, 1e-6, 1e-5))
+    qn, kn = rmsnorm_heads(qs, qw, 1e-6).view(L, -1), rmsnorm_heads(ks, kw, 1e-5).view(L, -1)
+    assert all(torch.equal(a, b) for a, b in zip((qno, kno), apply_rope_qk(qn, kn, c, s, d), strict=True))
+    assert torch.equal(kn_c[loc], kno) and torch.equal(vn_c, vc)
+    qnr, knr = apply_rope_qk_reference(qs, ks, c, s, d, None, (qw, kw, 1e-6, 1e-5))
+    torch.testing.assert_close(qno.float(), qnr.float(), rtol=2e-2, atol=6e-2)
+    torch.testing.assert_close(kno.float(), knr.float(), rtol=2e-2, atol=6e-2)
 # across segments: split-KV (max_kv_len given, few programs) and the decode form give the same bits
 hq, hkv, d, L = 4, 2, 64, 530
 q = torch.randn(L, hq, d, generator=g).bfloat16()
