@@ -8,9 +8,9 @@
    RoPE in patches/rope.py). With ``TRUE_ON_POLICY_QK_NORM_ROPE=fused`` ``apply_qk_norm_rope``
    (split qkv, QK-norm, RoPE, K/V write) is replaced by one launch that QK-norms, rotates and
    writes (``patches.rope.rotate_qk`` with ``qk_norm``): the separate path's bits. The same hook
-   asserts that the layer's rotary embedding is bound to the contract's RoPE (patches/rope.py), i.e. that the patches were in
-   place before the model was built, and that its class and YaRN parameters are the ones the
-   trainer reads from the config (``patches.rope.check_built``).
+   asserts that the layer's rotary embedding is bound to the contract's RoPE (patches/rope.py),
+   i.e. that the patches were in place before the model was built, and that its class and YaRN
+   parameters are the ones the trainer reads from the config (``patches.rope.check_built``).
 2. The sparse MoE block: ``forward_normal`` (router GEMM, fused top-k, Triton fused experts with
    the routed weight folded into GEMM2 and a bf16 per-slot rounding, ``moe_sum_reduce``) is
    replaced by ``kernels.moe.moe``: fp32 router softmax with lower-id ties, per-expert
