@@ -56,7 +56,8 @@ QK_NORM_ROPE = EnvVar(
     "TRUE_ON_POLICY_QK_NORM_ROPE",
     "'fused' runs each attention layer's QK-norm inside its RoPE launch (kernels.rope.apply_rope_qk with qk_norm: "
     "rmsnorm's bits, one launch for norm, RoPE and K/V write); 'separate' or unset keeps the norm's own launches; any "
-    "other value is refused when the patches install. Speed only: no bit depends on it",
+    "other value is refused when the patches install. Speed only: it is built to give the separate path's bits "
+    "(tests/gpu/test_kernels_gpu.py checks them; off by default until that has run on a GPU)",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(
