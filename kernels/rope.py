@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.rmsnorm import TILE_H, TILE_ROWS, rmsnorm_reference
+from true_on_policy.kernels.rmsnorm import TILE_H, TILE_ROWS, _norm_tile, rmsnorm_reference
 
 BLOCK_T = 16  # tokens per program; elementwise, the tile size changes no bit
 ROPE_TYPES = ("default", "yarn")
@@ -191,16 +191,24 @@ def _rotate(base, c, s, i, ok, HALF: tl.constexpr):
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
-@triton.jit(do_not_specialize=["T"])
-def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride_oh,
-                 HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+@triton.jit
+def _token_block(COS, SIN, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The program's block of tokens: their ids, the half-head lanes, the row mask, the int64 rows
+    and their cos/sin (both kernels inline this one body)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
     i = tl.arange(0, HALF)
     ok = (t < T)[:, None]
     tt = t.to(tl.int64)[:, None]
     c = tl.load(COS + tt * HALF + i[None, :], mask=ok, other=0.0)
     s = tl.load(SIN + tt * HALF + i[None, :], mask=ok, other=0.0)
+    return t, i, ok, tt, c, s
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride_oh,
+                 HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    t, i, ok, tt, c, s = _token_block(COS, SIN, T, HALF, BLOCK_T)
+    h = tl.program_id(1)
     lo, hi = _rotate(X + tt * stride_xt + h * stride_xh, c, s, i, ok, HALF)
     o = OUT + tt * stride_ot + h * stride_oh
     tl.store(o + i[None, :], lo.to(OUT.dtype.element_ty), mask=ok)
@@ -210,17 +218,13 @@ def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride
 @triton.jit
 def _qk_norm(base, out, W, eps, HD, ok, BLOCK_D: tl.constexpr):
     """QK-norm of one head's tokens at ``base`` into ``out`` (the rows ``_rotate`` then reads):
-    ``_rmsnorm_tile_kernel``'s ops on a tile of its shape (TILE_ROWS rows of BLOCK_D lanes, one
-    ``tl.sum`` per row, the launch's warps), so every row is rmsnorm's bits."""
+    ``_rmsnorm_tile_kernel``'s body (``rmsnorm._norm_tile``) on a tile of its shape (TILE_ROWS rows
+    of BLOCK_D lanes, the launch's 4 warps), so every row is rmsnorm's bits."""
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < HD
     m = ok & cmask[None, :]
     s = tl.load(base + cols[None, :], mask=m, other=0.0)
-    sf = s.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / HD + eps)
-    n = (sf * inv[:, None]).to(s.dtype)
-    w = tl.load(W + cols, mask=cmask, other=0.0)
-    tl.store(out + cols[None, :], (w.to(tl.float32)[None, :] * n.to(tl.float32)).to(s.dtype), mask=m)
+    tl.store(out + cols[None, :], _norm_tile(s, W, cols, cmask, HD, eps), mask=m)
     tl.debug_barrier()  # the rotation reads back elements other threads of the program stored
 
 
@@ -234,13 +238,8 @@ def _rope_qk_kernel(Q, K, V, QO, KO, KC, VC, LOC, COS, SIN, QW, KW, EPS_Q, EPS_K
     With NORM each head is first QK-normed into its output rows (``_qk_norm``, weights QW / KW),
     and the rotation reads those rows back: the separate norm's output, rotated as ``_rope_kernel``
     rotates it."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t, i, ok, tt, c, s = _token_block(COS, SIN, T, HALF, BLOCK_T)
     h = tl.program_id(1)
-    i = tl.arange(0, HALF)
-    ok = (t < T)[:, None]
-    tt = t.to(tl.int64)[:, None]
-    c = tl.load(COS + tt * HALF + i[None, :], mask=ok, other=0.0)
-    s = tl.load(SIN + tt * HALF + i[None, :], mask=ok, other=0.0)
     if h < HQ:
         o = QO + tt * (HQ * 2 * HALF) + h * (2 * HALF)
         src = Q + tt * s_qt + h * s_qh
