@@ -63,7 +63,7 @@ def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_
 
 
 @triton.jit
-def _norm_tile(s, W, cols, cmask, H, eps):
+def norm_tile(s, W, cols, cmask, H, eps):
     """A tile of rows ``s`` ([rows, BLOCK_D], the activations' dtype) normed and weighted: each row's
     squares summed by one fp32 ``tl.sum`` over its lanes, then rmsnorm's two roundings. The tile
     form below and the QK-norm in the RoPE launch (``kernels.rope``) inline this one body."""
@@ -93,7 +93,7 @@ def _rmsnorm_tile_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, N_ROWS, HEAD
         res = tl.load(R + (t * stride_r + h * H)[:, None] + cols[None, :], mask=m, other=0.0)
         s = (s.to(tl.float32) + res.to(tl.float32)).to(res.dtype)  # bf16 add: exact fp32 sum, one rounding
         tl.store(RES_OUT + r[:, None] * H + cols[None, :], s, mask=m)
-    tl.store(OUT + r[:, None] * H + cols[None, :], _norm_tile(s, W, cols, cmask, H, eps), mask=m)
+    tl.store(OUT + r[:, None] * H + cols[None, :], norm_tile(s, W, cols, cmask, H, eps), mask=m)
 
 
 def _tile(x, r, weight, out, res_out, stride_x, stride_r, n_rows, heads, h, eps):

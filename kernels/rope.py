@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.rmsnorm import TILE_H, TILE_ROWS, _norm_tile, rmsnorm_reference
+from true_on_policy.kernels.rmsnorm import TILE_H, TILE_ROWS, norm_tile, rmsnorm_reference
 
 BLOCK_T = 16  # tokens per program; elementwise, the tile size changes no bit
 ROPE_TYPES = ("default", "yarn")
@@ -218,13 +218,13 @@ def _rope_kernel(X, OUT, COS, SIN, T, H, stride_xt, stride_xh, stride_ot, stride
 @triton.jit
 def _qk_norm(base, out, W, eps, HD, ok, BLOCK_D: tl.constexpr):
     """QK-norm of one head's tokens at ``base`` into ``out`` (the rows ``_rotate`` then reads):
-    ``_rmsnorm_tile_kernel``'s body (``rmsnorm._norm_tile``) on a tile of its shape (TILE_ROWS rows
+    ``_rmsnorm_tile_kernel``'s body (``rmsnorm.norm_tile``) on a tile of its shape (TILE_ROWS rows
     of BLOCK_D lanes, the launch's 4 warps), so every row is rmsnorm's bits."""
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < HD
     m = ok & cmask[None, :]
     s = tl.load(base + cols[None, :], mask=m, other=0.0)
-    tl.store(out + cols[None, :], _norm_tile(s, W, cols, cmask, HD, eps), mask=m)
+    tl.store(out + cols[None, :], norm_tile(s, W, cols, cmask, HD, eps), mask=m)
     tl.debug_barrier()  # the rotation reads back elements other threads of the program stored
 
 
