@@ -30,6 +30,7 @@ HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); element
 # (HBLOCK and NBLOCK are speed choices from benchmarks/gemm_sweep.py; neither changes a bit)
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
+ALIGN_MIN_CHUNK = 128  # align's one-launch form: its chunk at least one slot per thread of 4 warps
 
 
 # ---------------------------------------------------------------- references (plain torch)
@@ -177,18 +178,27 @@ def _count_kernel(IDS, COUNTS, N, FIRST, NBLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N"])
 def _align_kernel(IDS, COUNTS, ROWS, OWN, BLOCK_EXPERT, POS, N, K, FIRST, E, N_BLOCKS, ALIGN: tl.constexpr,
-                  NBLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+                  NBLOCK: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr):
     """Program e < E: expert e's slots, in slot order, to rows [base, base + count) of its
     group (base = ALIGN x the blocks of experts before it; OWN holds the row's own index, the
     down GEMM's table), its padding rows -1, its blocks marked e. Program E: blocks after the
-    last group marked -1, slots of non-local experts -1."""
+    last group marked -1, slots of non-local experts -1. COUNT (N <= NBLOCK): every program
+    counts the local experts' slots itself (one histogram of the one chunk; COUNTS is unused),
+    else COUNTS holds them (``_count_kernel``). Counts are integers: either way the same table."""
     e = tl.program_id(0)
     ex = tl.arange(0, BLOCK_E)
-    blocks = (tl.load(COUNTS + ex, mask=ex < E, other=0) + ALIGN - 1) // ALIGN
+    if COUNT:
+        so = tl.arange(0, NBLOCK)
+        x = tl.load(IDS + so, mask=so < N, other=FIRST) - FIRST
+        local = (so < N) & (x >= 0) & (x < E)
+        counts = tl.histogram(tl.where(local, x, 0), BLOCK_E, mask=local)
+    else:
+        counts = tl.load(COUNTS + ex, mask=ex < E, other=0)
+    blocks = (counts + ALIGN - 1) // ALIGN
     if e < E:
         first_block = tl.sum(tl.where(ex < e, blocks, 0), axis=0)
         base = first_block.to(tl.int64) * ALIGN
-        count = tl.load(COUNTS + e)
+        count = tl.sum(tl.where(ex == e, counts, 0), axis=0)
         n_mine = tl.sum(tl.where(ex == e, blocks, 0), axis=0)
         seen = 0
         for start in range(0, N, NBLOCK):
@@ -263,10 +273,12 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int, nblock: int = NB
     Returns rows [P] (token index or -1), block_expert [P/ALIGN] (local expert or -1), pos [T*k]
     (row of slot (t, j) in the table, -1 when the expert is not local) and own [P] (the down GEMM's
     table: each real row's own index, padding -1). Within an expert, slots keep (token, slot)
-    order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks. Two launches (``_count_kernel``, ``_align_kernel``: one program per local expert, plus one for
-    the unused blocks and the slots of other ranks' experts); rows of unused blocks are undefined.
-    ``nblock``: the slots each program scans per step (the table does not depend on it;
-    ``benchmarks/gemm_sweep.py`` times the candidates and checks the tables are equal).
+    order. P is a static bound: ceil(T*k/ALIGN) + num_local blocks. ``_align_kernel`` runs one
+    program per local expert, plus one for the unused blocks and the slots of other ranks' experts;
+    rows of unused blocks are undefined. Up to ``nblock`` slots (a decode step) it counts the slots
+    itself, in one launch; above, ``_count_kernel`` counts them first. ``nblock``: the slots each
+    program scans per step (the table does not depend on it; ``benchmarks/gemm_sweep.py`` times
+    the candidates and checks the tables are equal).
     """
     t, k = ids.shape
     n = t * k
@@ -276,14 +288,16 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int, nblock: int = NB
     own_rows = torch.empty_like(rows)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     pos = torch.empty(n, dtype=torch.int64, device=dev)
-    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
     flat = ids.reshape(-1).to(torch.int32)
-    if n:
-        _count_kernel[(num_local,)](flat, counts, n, first_expert, NBLOCK=nblock)
+    one_chunk = n <= nblock
+    if one_chunk:  # the align kernel counts (COUNT): one launch; its chunk the smallest power of two >= n
+        counts, nblock = flat, max(ALIGN_MIN_CHUNK, triton.next_power_of_2(max(n, 1)))
     else:
-        counts.zero_()
+        counts = torch.empty(num_local, dtype=torch.int32, device=dev)
+        _count_kernel[(num_local,)](flat, counts, n, first_expert, NBLOCK=nblock)
     _align_kernel[(num_local + 1,)](flat, counts, rows, own_rows, block_expert, pos, n, k, first_expert, num_local,
-                                    n_blocks, ALIGN=ALIGN, NBLOCK=nblock, BLOCK_E=triton.next_power_of_2(num_local))
+                                    n_blocks, ALIGN=ALIGN, NBLOCK=nblock, BLOCK_E=triton.next_power_of_2(num_local),
+                                    COUNT=one_chunk)
     return rows, block_expert, pos, own_rows
 
 

@@ -199,11 +199,12 @@ case $GROUP in
     # cache rows written, four head layouts (the flat group's a3b48 parity line runs it inside a server)
     run tier gpu-tier-rope-qk tests/gpu/test_kernels_gpu.py -k rope ;;
   qknormrope)  # issue 37: the QK-norm inside the RoPE launch (TRUE_ON_POLICY_QK_NORM_ROPE=fused; off by default): its
-    # kernel bits (the RoPE and RMSNorm tests, which share its bodies; rmsnorm then RoPE bit for bit at five layouts),
+    # kernel bits (the RoPE and RMSNorm tests, which share its bodies; rmsnorm then RoPE bit for bit at five layouts;
+    # and the one-launch expert table of a decode step, which every tpo variant below runs),
     # the h1536 truncation stress with it inside a server, h1536e256k6's plain and tail cells, stock, tpo and
     # tpo_qknr alternated (resumable), and the 48-layer parity with it (as the flat group's a3b48 line)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    run tier gpu-tier-qk-norm-rope tests/gpu/test_kernels_gpu.py -k "rope or rmsnorm"
+    run tier gpu-tier-qk-norm-rope tests/gpu/test_kernels_gpu.py -k "rope or rmsnorm or align_is"
     run env TRUE_ON_POLICY_QK_NORM_ROPE=fused python3 -m true_on_policy.harness.stress --geometry h1536 \
       --out "$E/stress-truncation-h1536-qknr.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \

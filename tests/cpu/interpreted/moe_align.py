@@ -1,6 +1,7 @@
-"""Interpreted (TRITON_INTERPRET=1): the two-launch expert table ``align`` equals the stable-argsort
-reference (rows of used blocks, block experts, slot positions), one process and an EP slice,
-including an expert holding more than ALIGN slots, absent experts and no tokens; and the combine
+"""Interpreted (TRITON_INTERPRET=1): the expert table ``align`` equals the stable-argsort reference
+(rows of used blocks, block experts, slot positions), one process and an EP slice, including an
+expert holding more than ALIGN slots, absent experts and no tokens, in both forms (one launch that
+counts in the align kernel up to NBLOCK slots, the count kernel first above); and the combine
 gives the same bits at every column width per program (the candidates gemm_sweep times)."""
 import sys
 
@@ -12,7 +13,7 @@ from true_on_policy.kernels.moe import align, align_reference  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 cases = []
-for t, k, e in ((1, 8, 16), (5, 2, 8), (64, 8, 16), (300, 4, 8)):
+for t, k, e in ((1, 8, 16), (5, 2, 8), (64, 8, 16), (300, 4, 8), (520, 4, 8)):  # the last: 2080 > NBLOCK slots
     cases.append(torch.randint(0, e, (t, k), generator=g, dtype=torch.int32))
 crowded = torch.randint(0, 8, (90, 2), generator=g, dtype=torch.int32)
 crowded[:, 0] = 3  # expert 3 gets 90+ slots: two blocks
@@ -33,7 +34,7 @@ from true_on_policy.kernels.moe import combine  # noqa: E402
 
 ids = torch.randint(0, 16, (37, 4), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
 ref = align(ids, 0, 16)
-for nb in (64, 256, 2048):  # the table does not depend on the slots scanned per step
+for nb in (64, 128, 256, 2048):  # nor on the slots scanned per step (64, 128: two launches; above: one)
     got = align(ids, 0, 16, nblock=nb)
     used = (ref[1] >= 0).repeat_interleave(ALIGN)
     assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), nb
