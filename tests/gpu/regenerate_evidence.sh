@@ -202,7 +202,8 @@ case $GROUP in
     # kernel bits (the RoPE and RMSNorm tests, which share its bodies; rmsnorm then RoPE bit for bit at five layouts;
     # and the one-launch expert table of a decode step, which every tpo variant below runs),
     # the h1536 truncation stress with it inside a server, h1536e256k6's plain and tail cells, stock, tpo and
-    # tpo_qknr alternated (resumable), and the 48-layer parity with it (as the flat group's a3b48 line)
+    # tpo_qknr alternated (resumable), the 48-layer parity with it (as the flat group's a3b48 line), and the
+    # tail profile of the three
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-qk-norm-rope tests/gpu/test_kernels_gpu.py -k "rope or rmsnorm or align_is"
     run env TRUE_ON_POLICY_QK_NORM_ROPE=fused python3 -m true_on_policy.harness.stress --geometry h1536 \
@@ -212,7 +213,10 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-qknr.json"
     run env TRUE_ON_POLICY_QK_NORM_ROPE=fused $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 \
       --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 \
-      --out "$E/parity-tpo-qknr-a3b48-t1.0.json" ;;
+      --out "$E/parity-tpo-qknr-a3b48-t1.0.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
+      --workload plain --variants stock tpo tpo_qknr --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-h1536e256k6-qknr.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
