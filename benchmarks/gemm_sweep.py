@@ -4,7 +4,7 @@ computes the bits of the form the rollout runs today (speed decides only among c
 the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
-        [--gemms down down_flat gate_up o_proj o_proj_flat qkv router qk_norm align combine] [--copies 1] [--out X.json]
+        [--gemms down down_flat gate_up o_proj o_proj_flat qkv router lm_head qk_norm align combine] [--copies 1] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
@@ -25,11 +25,14 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
+- lm_head: [T, 2048] @ [151936, 2048], fp32 out; reference ``matmul(role="lm_head")``; candidates:
+  every tile of the decode grid (``matmul.DECODE_GRID``), and cuBLAS (bf16 out, stock's) for scale.
 - qk_norm: ``rmsnorm_heads`` over the 32 query heads of 128 in a fused qkv row: the tile form
   (TILE_ROWS head-rows per program), timed alone (its tile is fixed: another tile is other bits).
-- align: the expert table (``moe.align``: a count and a placement launch, each program scanning
-  the slots); reference ``moe.NBLOCK`` slots per step; candidates: other steps (``nblock``). The time
-  includes one concatenation of the four outputs, the same for every row.
+- align: the expert table (``moe.align``: one launch up to ``moe.NBLOCK`` slots, a count and a
+  placement launch above, each program scanning the slots); reference ``moe.NBLOCK`` slots per step;
+  candidates: other steps (``nblock``). The time includes one concatenation of the four outputs, the
+  same for every row.
 - combine: the MoE combine of 8 fp32 slots into 2048 bf16 columns; reference ``moe.HBLOCK``
   columns per program; candidates: other widths (``hblock``).
 
@@ -48,6 +51,7 @@ import torch
 import triton
 
 E, K_TOP, H, INTER, QKV, O_IN, HQ, D = 128, 8, 2048, 768, 5120, 4096, 32, 128
+VOCAB = 151936
 
 SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
@@ -206,6 +210,15 @@ def _cases(gemm, t, g, w, mm, moe):
         p2 = pos.view(t, K_TOP)
         cands = [("combine", {"hblock": hb}, lambda hb=hb: moe.combine(e_out, p2, wts, hblock=hb)) for hb in HBLOCKS]
         return lambda: moe.combine(e_out, p2, wts), cands, None, t * K_TOP * H * 4 + t * H * 2
+    if gemm == "lm_head":  # fp32 logits over the vocabulary; candidates: the decode grid's tiles
+        x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+
+        def tile(cfg):
+            out = torch.empty(t, VOCAB, dtype=torch.float32, device="cuda")
+            return lambda: mm._launch_tma(x, w["lm_head"], out, cfg)
+        cands = [("tma", c, tile(c)) for c in mm.DECODE_GRID.values()]
+        return (lambda: mm.matmul(x, w["lm_head"], torch.float32, role="lm_head"),
+                cands + [("cuBLAS", {}, lambda: x @ w["lm_head"].T)], None, VOCAB * H * 2)
     key = {"qkv": "qkv", "router": "router", "o_proj_flat": "o"}[gemm]
     copies = w[key + "_copies"]
     n, k = copies[0].shape
@@ -243,6 +256,8 @@ def run(tokens, gemms, copies=1):
          "o": (torch.randn(H, O_IN, device="cuda", generator=g) * 0.02).bfloat16(),
          "qkv": (torch.randn(QKV, H, device="cuda", generator=g) * 0.02).bfloat16(),
          "router": (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()}
+    if "lm_head" in gemms:
+        w["lm_head"] = (torch.randn(VOCAB, H, device="cuda", generator=g) * 0.02).bfloat16()
     for key in ("qkv", "router", "o"):  # the dense GEMMs' weights, once each plus copies-1 more
         w[key + "_copies"] = [w[key]] + [(torch.randn(*w[key].shape, device="cuda", generator=g) * 0.02).bfloat16()
                                          for _ in range(copies - 1)]
@@ -286,7 +301,8 @@ def run(tokens, gemms, copies=1):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
-    ops = ("down", "down_flat", "gate_up", "o_proj", "o_proj_flat", "qkv", "router", "qk_norm", "align", "combine")
+    ops = ("down", "down_flat", "gate_up", "o_proj", "o_proj_flat", "qkv", "router", "lm_head", "qk_norm", "align",
+           "combine")
     ap.add_argument("--gemms", nargs="+", choices=ops, default=list(ops))
     ap.add_argument("--copies", type=int, default=1,
                     help="time qkv, router and o_proj_flat over this many copies of the weight (HBM, not L2)")
