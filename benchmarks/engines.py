@@ -16,8 +16,9 @@ Stock variants run SGLang with the overlay off; each is triton attention + pytor
 Overlay variants run ``--true-on-policy``: ``tpo`` and ``tpo_no_logprob`` the default contract
 (``true_on_policy.DEFAULT_CONTRACT``), the others the contract ``CONTRACTS`` names. ``tpo`` chooses
 the decode attention's tiles at start-up (the default); ``tpo_fixed`` is ``tpo`` with the fixed tile
-and ``tpo_tiles`` names the choice explicitly; ``tpo_qknr`` runs the QK-norm inside the RoPE launch
-(``TRUE_ON_POLICY_QK_NORM_ROPE=fused``). ``TPO_ENV`` holds them: the same bits, speed only.
+and ``tpo_tiles`` names the choice explicitly; ``tpo`` runs the QK-norm inside the RoPE launch (the
+default), ``tpo_qknr`` names it explicitly (``TRUE_ON_POLICY_QK_NORM_ROPE=fused``) and ``tpo_qksep``
+runs the norm in launches of its own (``separate``). ``TPO_ENV`` holds them: the same bits, speed only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg"
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1"}
 TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant's environment (speed only)
            "tpo_fixed": {"TRUE_ON_POLICY_DECODE_TILES": "fixed"},
-           "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"}}
+           "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"},
+           "tpo_qksep": {"TRUE_ON_POLICY_QK_NORM_ROPE": "separate"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

@@ -234,10 +234,11 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 # bitwise). Programs are grouped GROUP_M tiles down M for L2 reuse of W (order only: no effect
 # on any element).
 # Tiles per role, chosen by the caller (by the token count only for "row", a table): the plain GEMMs, and lm_head
-# (N = vocabulary), whose wider tile wins at every row count (benchmarks/kernels.py --sweep).
+# (N = vocabulary), whose wider tile wins above the decode rows (benchmarks/kernels.py --sweep; gemm_sweep's
+# lm_head: at 1 to 64 rows the decode tiles are faster, their narrow BLOCK_M doing a fraction of the MMA work).
 # router (N = experts): narrow tiles with long K chunks fill the GPU at decode sizes (gemm_sweep).
 # Where ``plain_decode`` / ``grouped_decode`` hold (below; DECODE_TILES) the launchers take ``decode_tile``'s
-# tile instead, but for lm_head; these fixed tiles and tables are the tiles everywhere else.
+# tile instead; these fixed tiles and tables are the tiles everywhere else.
 #
 # Tile tables (tree width 1, the flat contract's o_proj and MoE down projection): the tile
 # depends on the row count, from a table of tiles that all compute the same bits: each runs the
@@ -299,7 +300,7 @@ def _decode_cfg(bm: int, bn: int, bk: int) -> dict:
 
 
 DECODE_GRID = {(bm, bn, bk): _decode_cfg(bm, bn, bk) for bm in DECODE_BM for bn in DECODE_BN for bk in (64, 128)}
-DECODE_ROLES = ("plain", "row", "router")  # lm_head: its vocabulary-wide N fills the GPU with its own tile
+DECODE_ROLES = ("plain", "row", "router", "lm_head")
 
 
 @functools.lru_cache(maxsize=4096)

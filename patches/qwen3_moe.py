@@ -5,9 +5,10 @@
    its attention then skips the write (both call sites read the same flag); stock SGLang's
    ``forward_native`` asserts the argument is None, the contract's RoPE (patches/rope.py) does the
    write in its launch. The fused qk-norm+RoPE kernel is turned off per instance (QK-norm below,
-   RoPE in patches/rope.py). With ``TRUE_ON_POLICY_QK_NORM_ROPE=fused`` ``apply_qk_norm_rope``
-   (split qkv, QK-norm, RoPE, K/V write) is replaced by one launch that QK-norms, rotates and
-   writes (``patches.rope.rotate_qk`` with ``qk_norm``): the separate path's bits. The same hook
+   RoPE in patches/rope.py). ``apply_qk_norm_rope`` (split qkv, QK-norm, RoPE, K/V write) is
+   replaced by one launch that QK-norms, rotates and writes (``patches.rope.rotate_qk`` with
+   ``qk_norm``): the separate path's bits. ``TRUE_ON_POLICY_QK_NORM_ROPE=separate`` leaves it as
+   SGLang wrote it (the QK-norm in launches of its own). The same hook
    asserts that the layer's rotary embedding is bound to the contract's RoPE (patches/rope.py),
    i.e. that the patches were in place before the model was built, and that its class and YaRN
    parameters are the ones the trainer reads from the config (``patches.rope.check_built``).
@@ -50,21 +51,16 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
     from true_on_policy.patches.rope import check_built
 
     check_built(self.rotary_emb, getattr(self, "config", None))  # class and parameters (YaRN) as the trainer's
-    if qk_norm_rope_mode() == "fused":
-        from true_on_policy.kernels.rmsnorm import TILE_H
-
-        if self.head_dim > TILE_H:
-            raise PatchError(f"{env.QK_NORM_ROPE.name}=fused: head_dim {self.head_dim} is over the fused QK-norm's "
-                             f"{TILE_H}; unset it (the norm in its own launches)")
 
 
 def qk_norm_rope_mode() -> str:
-    """TRUE_ON_POLICY_QK_NORM_ROPE: "separate" (also when unset) or "fused"; anything else is refused,
+    """TRUE_ON_POLICY_QK_NORM_ROPE: "fused" (also when unset) or "separate"; anything else is refused,
     naming the variable and its values (a typo must not silently change what runs)."""
-    mode = (env.QK_NORM_ROPE.get("") or "separate").strip()
+    mode = (env.QK_NORM_ROPE.get("") or "fused").strip()
     if mode not in QK_NORM_ROPE_MODES:
         raise PatchError(f"{env.QK_NORM_ROPE.name}={mode!r} is not one of {', '.join(QK_NORM_ROPE_MODES)}: unset "
-                         "it (the QK-norm in launches of its own) or set it to 'fused' (the QK-norm in the RoPE launch)")
+                         "it or set it to 'fused' (the QK-norm in the RoPE launch, the default) or 'separate' (the "
+                         "QK-norm in launches of its own)")
     return mode
 
 
@@ -86,8 +82,11 @@ def tpo_apply_qk_norm(q, k, q_norm, k_norm, head_dim, alt_stream=None, allow_inp
 def tpo_apply_qk_norm_rope(self, qkv, positions, forward_batch):
     """SGLang's unfused branch (split, QK-norm, RoPE with the K/V write where SGLang would fuse it)
     in one launch: ``rotate_qk`` with the layer's QK-norm weights, ``rmsnorm_heads`` then RoPE bit
-    for bit. The attention then saves the K/V itself exactly when SGLang's own branch would have it do so."""
+    for bit. A head wider than the norm's tile form (``rmsnorm.TILE_H``) is normed in launches of its
+    own first, the separate path. The attention then saves the K/V itself exactly when SGLang's own
+    branch would have it do so."""
     from sglang.srt.models import qwen3_moe as m
+    from true_on_policy.kernels.rmsnorm import TILE_H
     from true_on_policy.patches.rope import rotate_qk
 
     q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -95,7 +94,11 @@ def tpo_apply_qk_norm_rope(self, qkv, positions, forward_batch):
     kv = None
     if m.enable_fused_set_kv_buffer(forward_batch) and self.compatible_with_fused_kv_buffer:
         kv = m.create_fused_set_kv_buffer_arg(value=v, layer=self.attn, forward_batch=forward_batch)
-    norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)
+    norms = None
+    if self.head_dim > TILE_H:
+        q, k = tpo_apply_qk_norm(q, k, self.q_norm, self.k_norm, self.head_dim)
+    else:
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)
     q, k = rotate_qk(self.rotary_emb, positions, q, k, kv, norms)
     self._used_fused_qk_norm_rope_last_call = False  # forward_core: save the K/V unless written above
     return q, k, v
@@ -135,5 +138,5 @@ def apply(policy) -> PatchRecord:
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
                            "MoE-TP tree roots gathered, EP slot outputs summed exactly)",
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
-                           + ("; with the RoPE and K/V write in one launch (TRUE_ON_POLICY_QK_NORM_ROPE=fused)"
-                              if fused else "")])
+                           + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
+                              if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

@@ -54,10 +54,10 @@ DECODE_TILES = EnvVar(
 
 QK_NORM_ROPE = EnvVar(
     "TRUE_ON_POLICY_QK_NORM_ROPE",
-    "'fused' runs each attention layer's QK-norm inside its RoPE launch (kernels.rope.apply_rope_qk with qk_norm: "
-    "rmsnorm's bits, one launch for norm, RoPE and K/V write); 'separate' or unset keeps the norm's own launches; any "
-    "other value is refused when the patches install. Speed only: it is built to give the separate path's bits "
-    "(tests/gpu/test_kernels_gpu.py checks them; off by default until that has run on a GPU)",
+    "'fused' or unset runs each attention layer's QK-norm inside its RoPE launch (kernels.rope.apply_rope_qk with "
+    "qk_norm: rmsnorm's bits, one launch for norm, RoPE and K/V write; heads wider than kernels.rmsnorm.TILE_H are "
+    "normed in launches of their own first); 'separate' keeps the norm's own launches; any other value is refused "
+    "when the patches install. Speed only: the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(

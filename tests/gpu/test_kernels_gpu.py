@@ -697,27 +697,28 @@ DECODE_COUNTS = [1, 2, 3, 7, 8, 16, 64, 255, 256, 257, 4096]
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
 def test_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
     """Every tile the plain TMA GEMMs can take (``matmul.candidate_tiles``: ``decode_tile``'s grid and
-    the fixed tiles) computes the pointer kernel's bits for qkv, o_proj (tree width 1) and the
-    router of the geometry, at every row count (not only those it is chosen for); ``matmul`` with
-    and without DECODE_TILES too, and the tile it picks is a candidate."""
+    the fixed tiles) computes the pointer kernel's bits for qkv, o_proj (tree width 1), the router
+    of the geometry and the lm_head (Qwen3's vocabulary, fp32 logits), at every row count (not only
+    those it is chosen for); ``matmul`` with and without DECODE_TILES too, and the tile it picks is a
+    candidate."""
     import true_on_policy.kernels.matmul as mm
 
     h, hq, hkv, d, e, _, _ = DECODE_GEOMETRIES[geometry]
     g = _gen(h + e)
-    for role, n_out, k in (("plain", (hq + 2 * hkv) * d, h), ("row", h, hq * d), ("router", e, h)):
+    for role, n_out, k, dtype in (("plain", (hq + 2 * hkv) * d, h, torch.bfloat16), ("row", h, hq * d, torch.bfloat16),
+                                  ("router", e, h, torch.bfloat16), ("lm_head", 151936, h, torch.float32)):
         x, w = _randn(g, max(DECODE_COUNTS), k), _randn(g, n_out, k, scale=0.02)
         cands = mm.candidate_tiles(role)
         for rows in DECODE_COUNTS:
             xr = x[:rows].clone()
-            ref = mm._launch(xr, w, torch.empty(rows, n_out, dtype=torch.bfloat16, device="cuda"), None, None, rows, 1,
-                             mm.COLUMN)
+            ref = mm._launch(xr, w, torch.empty(rows, n_out, dtype=dtype, device="cuda"), None, None, rows, 1, mm.COLUMN)
             for cfg in cands:
                 got = mm._launch_tma(xr, w, torch.empty_like(ref), cfg)
                 _same(got, ref, f"{geometry} {role} N={n_out} K={k} rows={rows} tile {cfg}")
             assert mm.tma_tiles(role, rows, n_out, k, mm.sm_count(x)) in cands
             for decode in (True, False):
                 monkeypatch.setattr(mm, "DECODE_TILES", decode)
-                _same(matmul(xr, w, role=role), ref, f"{geometry} matmul(role={role}) rows={rows} decode={decode}")
+                _same(matmul(xr, w, dtype, role=role), ref, f"{geometry} matmul(role={role}) rows={rows} decode={decode}")
     gpu_evidence.append({"test": f"decode_tiles_eq_pointer_{geometry}", "rows": DECODE_COUNTS,
                          "tiles": len(mm.candidate_tiles("plain")), "bitwise": True})
 
