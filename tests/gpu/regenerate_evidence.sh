@@ -198,24 +198,27 @@ case $GROUP in
   ropeqk)  # issue 37: q and k rotated in one launch with SGLang's fused K/V write, bitwise apply_rope of each and the
     # cache rows written, four head layouts (the flat group's a3b48 parity line runs it inside a server)
     run tier gpu-tier-rope-qk tests/gpu/test_kernels_gpu.py -k rope ;;
-  qknormrope)  # issue 37: the QK-norm inside the RoPE launch (TRUE_ON_POLICY_QK_NORM_ROPE=fused; off by default): its
+  qknormrope)  # issue 37: the QK-norm inside the RoPE launch (the default; TRUE_ON_POLICY_QK_NORM_ROPE=separate: not): its
     # kernel bits (the RoPE and RMSNorm tests, which share its bodies; rmsnorm then RoPE bit for bit at five layouts;
     # and the one-launch expert table of a decode step, which every tpo variant below runs),
     # the h1536 truncation stress with it inside a server, h1536e256k6's plain and tail cells, stock, tpo and
-    # tpo_qknr alternated (resumable), the 48-layer parity with it (as the flat group's a3b48 line), and the
-    # tail profile of the three
+    # tpo_qksep alternated (resumable; the files at bf2c6c1 hold tpo, the separate norm then, and tpo_qknr), the
+    # lm_head and expert-table sweep, the 48-layer parity with it (as the flat group's a3b48 line), and the tail
+    # profile of the three
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-qk-norm-rope tests/gpu/test_kernels_gpu.py -k "rope or rmsnorm or align_is"
     run env TRUE_ON_POLICY_QK_NORM_ROPE=fused python3 -m true_on_policy.harness.stress --geometry h1536 \
       --out "$E/stress-truncation-h1536-qknr.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
-      --variants stock tpo tpo_qknr --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      --variants stock tpo tpo_qksep --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-qknr.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --tokens 1 4 16 64 256 --gemms lm_head align \
+      --out "$E/gemm-sweep-lm-head-align.json"
     run env TRUE_ON_POLICY_QK_NORM_ROPE=fused $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 \
       --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 \
       --out "$E/parity-tpo-qknr-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
-      --workload plain --variants stock tpo tpo_qknr --mem 0.85 --make-room --resume \
+      --workload plain --variants stock tpo tpo_qksep --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-qknr.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
