@@ -42,7 +42,7 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 37, lines
+assert len(lines) == len(patching.applied()) == 38, lines
 assert [p.patch for p in m.patches] == ['tp_worker', 'weights', 'weight_updates', 'layernorm', 'linear', 'communicator', 'rope',
                                         'attention_backend', 'sampler', 'qwen3_moe', 'pipeline', 'cuda_graph',
                                         'scheduler_guard']
@@ -73,7 +73,7 @@ from true_on_policy.contract.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 37 and all(s['installed'] for s in syms), syms
+assert len(syms) == 38 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
