@@ -19,7 +19,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
   [2048, 4096] (o_proj at tree width 1: one plain GEMM): reference ``matmul`` with the role the
-  rollout passes ("plain", "router", "row"); candidates: other TMA tiles. ``--copies N`` times
+  rollout passes ("plain", "router", "row"); candidates: other TMA tiles, the decode grid's 16-row
+  tiles, and those with deeper pipelines (``DEEP``: 6 and 8 stages). ``--copies N`` times
   these three over N copies of the weight, one after the other (a row's time is the total over
   N divided by N), so that the weights come from HBM as in the model's layer stack, not from the 50 MB L2.
 - o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
@@ -86,6 +87,10 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]
+# decode-grid shapes with deeper pipelines (more of a program's K loop in flight; num_stages sets only how far
+# ahead operands are fetched, so the same bits): candidates for the few-row GEMMs, which wait on HBM latency
+DEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st) for bn in (16, 32, 64) for bk in (64, 128)
+        for st in (6, 8)]
 ROLE = {"qkv": "plain", "router": "router", "o_proj_flat": "row"}  # the role the rollout passes
 FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
@@ -243,7 +248,8 @@ def _cases(gemm, t, g, w, mm, moe):
         for wc in copies:
             y = x @ wc.T
         return y
-    return ref, [("tma", c, tma(c)) for c in DENSE] + [("cuBLAS", {}, cublas)], None, n * k * 2
+    grid = [c for c in mm.DECODE_GRID.values() if c["BLOCK_M"] == 16]
+    return ref, [("tma", c, tma(c)) for c in DENSE + grid + DEEP] + [("cuBLAS", {}, cublas)], None, n * k * 2
 
 
 def run(tokens, gemms, copies=1):
