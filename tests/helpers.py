@@ -50,6 +50,25 @@ def random_moe(g, tokens: int, experts: int, hidden: int, inter: int, router_sca
             r(experts, 2 * inter, hidden, scale=weight_scale), r(experts, hidden, inter, scale=weight_scale))
 
 
+def assert_align_table(ids, first: int, local: int) -> None:
+    """``moe.align``'s table for ``ids`` over experts [first, first + local) equals the stable-argsort
+    ``align_reference``, bitwise: the block experts, the slot positions, and the rows and the down
+    GEMM's own rows of the used blocks (rows of unused blocks are undefined)."""
+    import torch
+    from true_on_policy.kernels.matmul import ALIGN
+    from true_on_policy.kernels.moe import align, align_reference
+
+    rows, be, pos, own = align(ids, first, local)
+    r_rows, r_be, r_pos = align_reference(ids, first, local)
+    what = (tuple(ids.shape), first, local)
+    assert torch.equal(be, r_be), ("block experts", what, be, r_be)
+    assert torch.equal(pos, r_pos), ("slot positions", what)
+    used = (be >= 0).repeat_interleave(ALIGN)
+    assert torch.equal(rows[used], r_rows[used]), ("rows", what)
+    r_own = torch.where(r_rows >= 0, torch.arange(r_rows.shape[0], device=r_rows.device), -1)
+    assert torch.equal(own[used], r_own[used]), ("own rows", what)
+
+
 def truncation_rows(g, kind: str, rows: int, vocab: int):
     """fp32 logits [rows, vocab] that stress a truncation cut: "flat" (many tokens near every cut),
     "peaked", "ties" (equal values, the lower id first) or "masked" (half -inf, column 0 finite)."""

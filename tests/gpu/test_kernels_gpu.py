@@ -448,8 +448,8 @@ def test_align_is_the_stable_argsort_table_in_both_forms(experts, top_k, gpu_evi
     step) and its two launches (the count kernel first, above) both give the stable-argsort table of
     ``align_reference``: the rows of used blocks, the block experts, the slot positions and the down
     GEMM's own rows, in one process and in EP slices, from no token to past NBLOCK slots."""
-    from true_on_policy.kernels.matmul import ALIGN
-    from true_on_policy.kernels.moe import NBLOCK, align, align_reference
+    from helpers import assert_align_table
+    from true_on_policy.kernels.moe import NBLOCK
 
     g = _gen(experts + top_k)
     tokens = [0, 1, 3, 64, NBLOCK // top_k, NBLOCK // top_k + 1, 4097]
@@ -458,15 +458,7 @@ def test_align_is_the_stable_argsort_table_in_both_forms(experts, top_k, gpu_evi
         if t > 3:
             ids[: t // 2, 0] = 1  # one expert holding more than ALIGN slots
         for first, local in ((0, experts), (experts // 2, experts - experts // 2), (experts // 4, experts // 4)):
-            rows, be, pos, own = align(ids, first, local)
-            r_rows, r_be, r_pos = align_reference(ids, first, local)
-            what = f"tokens={t} k={top_k} experts {first}..{first + local - 1}"
-            _same(be, r_be, f"block experts, {what}")
-            _same(pos, r_pos, f"slot positions, {what}")
-            used = (be >= 0).repeat_interleave(ALIGN)
-            _same(rows[used], r_rows[used], f"rows, {what}")
-            r_own = torch.where(r_rows >= 0, torch.arange(r_rows.shape[0], device="cuda"), -1)
-            _same(own[used], r_own[used], f"own rows, {what}")
+            assert_align_table(ids, first, local)
     gpu_evidence.append({"test": f"align_e{experts}_k{top_k}_eq_argsort_table", "tokens": tokens,
                          "one_launch_up_to_slots": NBLOCK, "ep_slices": 3, "bitwise": True})
 

@@ -8,8 +8,9 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
+from helpers import assert_align_table  # noqa: E402
 from true_on_policy.kernels.matmul import ALIGN  # noqa: E402
-from true_on_policy.kernels.moe import align, align_reference  # noqa: E402
+from true_on_policy.kernels.moe import align  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 cases = []
@@ -22,14 +23,7 @@ cases.append(torch.zeros(0, 8, dtype=torch.int32))
 for ids in cases:
     e = int(ids.max()) + 1 if ids.numel() else 8
     for first, local in ((0, e), (e // 2, e - e // 2), (0, max(e // 4, 1))):  # one process, EP slices
-        rows, be, pos, own = align(ids, first, local)
-        r_rows, r_be, r_pos = align_reference(ids, first, local)
-        assert torch.equal(be, r_be), (ids.shape, first, local, be, r_be)
-        assert torch.equal(pos, r_pos), (ids.shape, first, local)
-        used = (be >= 0).repeat_interleave(ALIGN)
-        assert torch.equal(rows[used], r_rows[used]), (ids.shape, first, local)
-        r_own = torch.where(r_rows >= 0, torch.arange(r_rows.shape[0]), -1)
-        assert torch.equal(own[used], r_own[used]), (ids.shape, first, local)
+        assert_align_table(ids, first, local)
 from true_on_policy.kernels.moe import combine  # noqa: E402
 
 ids = torch.randint(0, 16, (37, 4), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
