@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference
+from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference, silu_fusable
 from true_on_policy.kernels.tree_reduce import finish_tree, rank_in, resolve_width, segments_for, sum_exact, world_size
 
 HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
@@ -31,6 +31,10 @@ HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); element
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
 ALIGN_MIN_CHUNK = 128  # align's one-launch form: its chunk at least one slot per thread of 4 warps
+# The flat down projection forms h = silu(gate) * up in its A load where it runs on the TMA decode path
+# (matmul.silu_fusable): silu_mul's bits without its launch (GPU tier: test_silu_in_down_equals_separate).
+# Off: silu_mul's own launch first (benchmarks compare both; TRUE_ON_POLICY_MOE_SILU=separate).
+SILU_IN_DOWN = True
 
 
 # ---------------------------------------------------------------- references (plain torch)
@@ -130,6 +134,15 @@ def _route_kernel(LOGITS, W_OUT, ID_OUT, stride_l, E, K: tl.constexpr, KP: tl.co
 
 
 @triton.jit
+def silu_times_up(g, u):
+    """h = bf16(fp32(bf16(silu(fp32 g))) * fp32 u), elementwise on loaded gate and up values (bf16):
+    the one formula ``silu_mul`` and the down GEMM's fused A load (``grouped_matmul(silu=True)``) share."""
+    g = g.to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(GU, OUT, ROWS, stride_g, stride_o, I, HAS_ROWS: tl.constexpr, IBLOCK: tl.constexpr):
     """Program i computes table row ROWS[i] (the expert table's real rows: one program per routed
     slot, none for padding; -1 = a slot of another rank's expert, skipped), or row i without
@@ -143,10 +156,9 @@ def _silu_mul_kernel(GU, OUT, ROWS, stride_g, stride_o, I, HAS_ROWS: tl.constexp
     for start in range(0, I, IBLOCK):
         cols = start + tl.arange(0, IBLOCK)
         m = cols < I
-        g = tl.load(GU + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(GU + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(GU + row * stride_g + I + cols, mask=m, other=0.0)
-        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-        tl.store(OUT + row * stride_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
+        tl.store(OUT + row * stride_o + cols, silu_times_up(g, u), mask=m)
 
 
 @triton.jit
@@ -321,12 +333,18 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int, width: int
 def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
     # tokens and slots (T x k, the pairs ``align`` placed) choose the grouped GEMMs' tiles (matmul.grouped_tiles)
     t, slots = x.shape[0], pos.shape[0]
-    h = silu_mul(grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots), pos)
+    gate_up = grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots)
     # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop; at tree
     # width 1 (the flat contract) as the down projection's role (its tiles above the decode bound: matmul.DOWN_TMA)
     flat = resolve_width(width) == 1
-    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1,
-                          role="down" if flat else "plain", tokens=t, slots=slots)
+    tree = segments > 1
+    role = "down" if flat else "plain"
+    if SILU_IN_DOWN and flat and silu_fusable(gate_up, w2, t, slots, segments, tree):
+        # h formed in the down GEMM's A load (silu_times_up): the rows silu_mul would write, no launch of its own
+        return grouped_matmul(gate_up, w2, own, block_expert, torch.float32, segments, tree=tree, role=role, tokens=t,
+                              slots=slots, silu=True)
+    return grouped_matmul(silu_mul(gate_up, pos), w2, own, block_expert, torch.float32, segments, tree=tree, role=role,
+                          tokens=t, slots=slots)
 
 
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None, width: int | None = None):

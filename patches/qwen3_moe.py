@@ -21,7 +21,9 @@
    the down-projection tree over SGLang's MoE-TP ``GroupCoordinator`` (fp32 roots gathered);
    EP (``moe_ep_size`` > 1) sums the fp32 slot outputs, each non-zero on exactly one rank
    (exact), then every rank runs the same combine. SGLang's own MoE all-reduces are in the
-   replaced method, so none of them runs.
+   replaced method, so none of them runs. Where the flat down projection runs on the TMA decode
+   path, silu(gate) * up is formed in its operand load (``kernels.moe.SILU_IN_DOWN``, the same
+   bits); ``TRUE_ON_POLICY_MOE_SILU=separate`` keeps its own launch.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal
 QK_NORM = "sglang.srt.models.qwen3_moe.apply_qk_norm"
 QK_NORM_ROPE = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.apply_qk_norm_rope"
 QK_NORM_ROPE_MODES = ("separate", "fused")
+MOE_SILU_MODES = ("separate", "fused")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -61,6 +64,16 @@ def qk_norm_rope_mode() -> str:
         raise PatchError(f"{env.QK_NORM_ROPE.name}={mode!r} is not one of {', '.join(QK_NORM_ROPE_MODES)}: unset "
                          "it or set it to 'fused' (the QK-norm in the RoPE launch, the default) or 'separate' (the "
                          "QK-norm in launches of its own)")
+    return mode
+
+
+def moe_silu_mode() -> str:
+    """TRUE_ON_POLICY_MOE_SILU: "fused" (also when unset) or "separate"; anything else is refused."""
+    mode = (env.MOE_SILU.get("") or "fused").strip()
+    if mode not in MOE_SILU_MODES:
+        raise PatchError(f"{env.MOE_SILU.name}={mode!r} is not one of {', '.join(MOE_SILU_MODES)}: unset it or set "
+                         "it to 'fused' (silu(gate) * up formed in the down projection's load at decode, the default) "
+                         "or 'separate' (kernels.moe.silu_mul's own launch)")
     return mode
 
 
@@ -128,6 +141,9 @@ def tpo_moe_forward_normal(self, hidden_states):
 
 def apply(policy) -> PatchRecord:
     fused = qk_norm_rope_mode() == "fused"  # a bad value is refused as the patches install
+    from true_on_policy.kernels import moe
+
+    moe.SILU_IN_DOWN = moe_silu_mode() == "fused"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -136,7 +152,9 @@ def apply(policy) -> PatchRecord:
                           ["per attention instance: use_fused_qk_norm_rope = False (the K/V write fused into the contract's RoPE); "
                            "RoPE binding asserted",
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
-                           "MoE-TP tree roots gathered, EP slot outputs summed exactly)",
+                           "MoE-TP tree roots gathered, EP slot outputs summed exactly); silu(gate) * up "
+                           + ("in the flat down projection's load at decode" if moe.SILU_IN_DOWN
+                              else "in its own launch (TRUE_ON_POLICY_MOE_SILU=separate)"),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

@@ -60,6 +60,14 @@ QK_NORM_ROPE = EnvVar(
     "when the patches install. Speed only: the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
+MOE_SILU = EnvVar(
+    "TRUE_ON_POLICY_MOE_SILU",
+    "'fused' or unset forms the MoE's silu(gate) * up in the flat down projection's operand load where that GEMM "
+    "runs on the TMA decode path (kernels.matmul.silu_fusable), with no launch of its own; 'separate' keeps "
+    "kernels.moe.silu_mul's launch; any other value is refused when the patches install. Speed only: the same "
+    "bits (tests/gpu/test_kernels_gpu.py checks them)",
+)
+
 TEST_KERNEL_LIMIT = EnvVar(
     "TRUE_ON_POLICY_TEST_KERNEL_LIMIT",
     "tests only: makes chosen batches raise a KernelLimitError after their forward, e.g. "
