@@ -3,9 +3,9 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | tilechoice | tp2 | pp2 (two GPUs
+#        attntiles | ropeqk | qknormrope | silu | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles, ropeqk, qknormrope and tilechoice)
+#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -203,8 +203,7 @@ case $GROUP in
     # and the one-launch expert table of a decode step, which every tpo variant below runs),
     # the h1536 truncation stress with it inside a server, h1536e256k6's plain and tail cells, stock, tpo and
     # tpo_qksep alternated (resumable; the files at bf2c6c1 hold tpo, the separate norm then, and tpo_qknr), the
-    # lm_head and expert-table sweep, the 48-layer parity with it (as the flat group's a3b48 line), and the tail
-    # profile of the three
+    # lm_head and expert-table sweep, and the tail profile of the three (the silu group runs the 48-layer parity with it)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-qk-norm-rope tests/gpu/test_kernels_gpu.py -k "rope or rmsnorm or align_is"
     run env TRUE_ON_POLICY_QK_NORM_ROPE=fused python3 -m true_on_policy.harness.stress --geometry h1536 \
@@ -214,12 +213,26 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-qknr.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --tokens 1 4 16 64 256 --gemms lm_head align \
       --out "$E/gemm-sweep-lm-head-align.json"
-    run env TRUE_ON_POLICY_QK_NORM_ROPE=fused $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 \
-      --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 \
-      --out "$E/parity-tpo-qknr-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
       --workload plain --variants stock tpo tpo_qksep --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-qknr.json" ;;
+  silu)  # issue 37: silu(gate) * up formed in the flat down projection's load at decode (the default;
+    # TRUE_ON_POLICY_MOE_SILU=separate: its own launch): its bits against silu_mul then the GEMM (every down tile, three
+    # geometries, 1-4096 tokens; moe with it on and off), with the decode tiles of the plain GEMMs (the lm_head's too)
+    # and the one-launch expert table; the 48-layer parity at the default (the QK-norm in the RoPE launch too, as the
+    # flat group's a3b48 line); a3b48's plain and tail cells, stock against tpo (resumable, like space); the tail
+    # profile of h1536e256k6, stock, tpo and tpo_silusep (after the 48-layer checkpoint is dropped from RAM)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-silu-down tests/gpu/test_kernels_gpu.py -k "silu_in_down or decode_tiles_equal_pointer or align_is"
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-silu-a3b48-t1.0.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
+      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-silu.json"
+    rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
+      --workload plain --variants stock tpo tpo_silusep --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-h1536e256k6-silu.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
