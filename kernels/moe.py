@@ -31,10 +31,12 @@ HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); element
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
 ALIGN_MIN_CHUNK = 128  # align's one-launch form: its chunk at least one slot per thread of 4 warps
-# The flat down projection forms h = silu(gate) * up in its A load where it runs on the TMA decode path
+# On: the flat down projection forms h = silu(gate) * up in its A load where it runs on the TMA decode path
 # (matmul.silu_fusable): silu_mul's bits without its launch (GPU tier: test_silu_in_down_equals_separate).
-# Off: silu_mul's own launch first (benchmarks compare both; TRUE_ON_POLICY_MOE_SILU=separate).
-SILU_IN_DOWN = True
+# Off (the default): silu_mul's own launch first. Each column tile of the down GEMM forms its rows' h
+# again, and that costs more than the launch it saves (benchmarks/op_profile.py, tpo_silufused against
+# tpo; TRUE_ON_POLICY_MOE_SILU=fused turns it on).
+SILU_IN_DOWN = False
 
 
 # ---------------------------------------------------------------- references (plain torch)

@@ -21,9 +21,9 @@
    the down-projection tree over SGLang's MoE-TP ``GroupCoordinator`` (fp32 roots gathered);
    EP (``moe_ep_size`` > 1) sums the fp32 slot outputs, each non-zero on exactly one rank
    (exact), then every rank runs the same combine. SGLang's own MoE all-reduces are in the
-   replaced method, so none of them runs. Where the flat down projection runs on the TMA decode
-   path, silu(gate) * up is formed in its operand load (``kernels.moe.SILU_IN_DOWN``, the same
-   bits); ``TRUE_ON_POLICY_MOE_SILU=separate`` keeps its own launch.
+   replaced method, so none of them runs. ``TRUE_ON_POLICY_MOE_SILU=fused`` forms silu(gate) * up
+   in the flat down projection's operand load where it runs on the TMA decode path
+   (``kernels.moe.SILU_IN_DOWN``, the same bits); unset or ``separate``, its own launch.
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ def qk_norm_rope_mode() -> str:
 
 
 def moe_silu_mode() -> str:
-    """TRUE_ON_POLICY_MOE_SILU: "fused" (also when unset) or "separate"; anything else is refused."""
-    mode = (env.MOE_SILU.get("") or "fused").strip()
+    """TRUE_ON_POLICY_MOE_SILU: "separate" (also when unset) or "fused"; anything else is refused."""
+    mode = (env.MOE_SILU.get("") or "separate").strip()
     if mode not in MOE_SILU_MODES:
         raise PatchError(f"{env.MOE_SILU.name}={mode!r} is not one of {', '.join(MOE_SILU_MODES)}: unset it or set "
-                         "it to 'fused' (silu(gate) * up formed in the down projection's load at decode, the default) "
-                         "or 'separate' (kernels.moe.silu_mul's own launch)")
+                         "it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'fused' (silu(gate) * up "
+                         "formed in the down projection's load at decode)")
     return mode
 
 
@@ -153,8 +153,8 @@ def apply(policy) -> PatchRecord:
                            "RoPE binding asserted",
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
                            "MoE-TP tree roots gathered, EP slot outputs summed exactly); silu(gate) * up "
-                           + ("in the flat down projection's load at decode" if moe.SILU_IN_DOWN
-                              else "in its own launch (TRUE_ON_POLICY_MOE_SILU=separate)"),
+                           + ("in the flat down projection's load at decode (TRUE_ON_POLICY_MOE_SILU=fused)"
+                              if moe.SILU_IN_DOWN else "in its own launch"),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

@@ -6,7 +6,7 @@
   same output with ``SILU_IN_DOWN`` on and off, at decode and prefill token counts, single-process
   and as one EP rank's expert outputs;
 - ``grouped_matmul(silu=True)`` is refused off the TMA decode path, naming ``silu_fusable``;
-- the mode: 'fused' (also unset) or 'separate', anything else refused naming the variable; the
+- the mode: 'separate' (also unset) or 'fused', anything else refused naming the variable; the
   patches set ``kernels.moe.SILU_IN_DOWN`` from it.
 """
 
@@ -97,7 +97,7 @@ def test_a_moe_silu_value_outside_separate_and_fused_is_refused_naming_the_varia
     assert "'fused'" in str(e.value) and repr(value.strip()) in str(e.value)
 
 
-@pytest.mark.parametrize("value,mode", [("", "fused"), ("separate", "separate"), (" fused ", "fused")])
+@pytest.mark.parametrize("value,mode", [("", "separate"), ("separate", "separate"), (" fused ", "fused")])
 def test_the_moe_silu_modes(value, mode, monkeypatch):
     from true_on_policy.patches import qwen3_moe
 
@@ -110,12 +110,12 @@ from true_on_policy.kernels import moe
 from true_on_policy.patches import qwen3_moe
 moe.SILU_IN_DOWN = None
 record = qwen3_moe.apply(None)
-print(moe.SILU_IN_DOWN, "TRUE_ON_POLICY_MOE_SILU=separate" in " ".join(record.notes))
+print(moe.SILU_IN_DOWN, "TRUE_ON_POLICY_MOE_SILU=fused" in " ".join(record.notes))
 """
 
 
-@pytest.mark.parametrize("value,on", [("", True), ("separate", False)])
+@pytest.mark.parametrize("value,on", [("", False), ("separate", False), ("fused", True)])
 def test_the_patches_set_the_kernel_flag_from_the_mode(value, on):
     r = run_py(APPLY, {"TRUE_ON_POLICY_MOE_SILU": value})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == [str(on), str(not on)]
+    assert r.stdout.split() == [str(on), str(on)]

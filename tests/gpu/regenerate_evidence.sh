@@ -216,12 +216,13 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
       --workload plain --variants stock tpo tpo_qksep --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-qknr.json" ;;
-  silu)  # issue 37: silu(gate) * up formed in the flat down projection's load at decode (the default;
-    # TRUE_ON_POLICY_MOE_SILU=separate: its own launch): its bits against silu_mul then the GEMM (every down tile, three
-    # geometries, 1-4096 tokens; moe with it on and off), with the decode tiles of the plain GEMMs (the lm_head's too)
-    # and the one-launch expert table; the 48-layer parity at the default (the QK-norm in the RoPE launch too, as the
-    # flat group's a3b48 line); a3b48's plain and tail cells, stock against tpo (resumable, like space); the tail
-    # profile of h1536e256k6, stock, tpo and tpo_silusep (after the 48-layer checkpoint is dropped from RAM)
+  silu)  # issue 37: silu(gate) * up formed in the flat down projection's load at decode (TRUE_ON_POLICY_MOE_SILU=fused;
+    # the default is its own launch): its bits against silu_mul then the GEMM (every down tile, three geometries, 1-4096
+    # tokens; moe with it on and off), with the decode tiles of the plain GEMMs (the lm_head's too) and the one-launch
+    # expert table; the 48-layer parity at the default (the QK-norm in the RoPE launch too, as the flat group's a3b48
+    # line); a3b48's plain and tail cells, stock against tpo (resumable, like space); after the 48-layer checkpoint is
+    # dropped from RAM, the tail profile of h1536e256k6, stock, tpo_silufused and tpo_silusep, and its plain and tail
+    # cells, stock against tpo_silusep. The files at 0b8e0f2 ran with fused as the default: their tpo is fused
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-silu-down tests/gpu/test_kernels_gpu.py -k "silu_in_down or decode_tiles_equal_pointer or align_is"
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
@@ -231,8 +232,11 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-silu.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
-      --workload plain --variants stock tpo tpo_silusep --mem 0.85 --make-room --resume \
-      --out "$E/profile-tail-h1536e256k6-silu.json" ;;
+      --workload plain --variants stock tpo_silufused tpo_silusep --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-h1536e256k6-silu.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
+      --variants stock tpo_silusep --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-silusep.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
