@@ -704,19 +704,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
 ALIGN = 128  # expert groups are padded to this many rows (a multiple of both tiles' BLOCK_M)
 
 
-def silu_fusable(gate_up, w, tokens: int | None, slots: int | None, segments: int = 1,
-                 tree: bool | None = None) -> bool:
-    """Whether ``grouped_matmul(gate_up, w, ..., silu=True)`` runs: the plain (one fp32 K loop) grouped
-    GEMM on the TMA decode path (``grouped_decode``), the one kernel that forms its operand in the load."""
+def glu_fusable(x, w, tokens: int | None, slots: int | None) -> bool:
+    """Whether ``grouped_matmul(x, w, ..., glu=True)`` runs: the gate/up grouped GEMM (w [E, 2I, K],
+    [gate; up] per expert) on the TMA decode path (``grouped_decode``), whose programs compute a gate
+    tile and its up tile together and store silu(gate) * up."""
     from true_on_policy.kernels import grouped_tma
 
-    k = w.shape[-1]
-    return (_tiles(segments, tree, k) is COLUMN and gate_up.dim() == 2 and gate_up.shape[1] == 2 * k
-            and grouped_decode(tokens, slots, w.shape[0]) and grouped_tma.usable(gate_up, w))
+    return (w.dim() == 3 and w.shape[1] % 2 == 0 and grouped_decode(tokens, slots, w.shape[0])
+            and grouped_tma.usable(x, w))
 
 
 def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, tree: bool | None = None,
-                   role: str = "plain", tokens: int | None = None, slots: int | None = None, silu: bool = False):
+                   role: str = "plain", tokens: int | None = None, slots: int | None = None, glu: bool = False):
     """Per-expert GEMM over an expert-sorted row table (see ``moe.align``).
 
     x [T, K]; w [E, N, K]; rows [P] (int, index into x or -1 for padding; P a multiple of
@@ -729,14 +728,15 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     where ``grouped_decode`` holds the TMA tiles follow ``grouped_tiles``, programs are launched only for
     the blocks the table can fill (``used_blocks``), one per block and column tile (its row tiles in
     turn); the same for the grouped tree GEMM's ``seg_tree`` tiles (``seg_tiles``); no bit changes.
-    ``silu``: x is the gate/up output [P, 2K] ([gate; up] per row) and the GEMM's operand is
-    ``moe.silu_mul``'s rows, formed in its load (only where ``silu_fusable`` holds; else refused).
+    ``glu``: w is the gate/up weight [E, 2I, K] ([gate; up] per expert) and the result [P, I] is
+    ``moe.silu_mul`` of the gate/up rows, formed in the GEMM's epilogue (only where ``glu_fusable``
+    holds, one plain K loop; else refused).
     """
-    if silu and not silu_fusable(x, w, tokens, slots, segments, tree):
-        raise KernelLimitError(f"grouped_matmul: silu=True needs the TMA decode path (matmul.silu_fusable) and x "
-                               f"[rows, {2 * w.shape[-1]}], got {tuple(x.shape)}, tokens={tokens}, slots={slots}, "
-                               f"segments={segments}: run moe.silu_mul first")
-    _check(x[:, :w.shape[-1]] if silu else x, w, "grouped_matmul")
+    if glu and (segments != 1 or tree or role != "plain" or not glu_fusable(x, w, tokens, slots)):
+        raise KernelLimitError(f"grouped_matmul: glu=True needs the plain gate/up GEMM on the TMA decode path "
+                               f"(matmul.glu_fusable), got w {tuple(w.shape)}, tokens={tokens}, slots={slots}, "
+                               f"segments={segments}, role={role!r}: run moe.silu_mul on its output instead")
+    _check(x, w, "grouped_matmul")
     from true_on_policy.kernels import grouped_tma, seg_tree
 
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
@@ -746,14 +746,15 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     if slots is not None and (tokens is None or triton.cdiv(slots, ALIGN) + w.shape[0] != rows.shape[0] // ALIGN):
         raise KernelLimitError(f"grouped_matmul: slots={slots} (tokens={tokens}) did not build a table of "
                                f"{rows.shape[0] // ALIGN} blocks over {w.shape[0]} experts")
-    out = torch.empty(rows.shape[0], w.shape[1], dtype=out_dtype or x.dtype, device=x.device)
+    n_out = w.shape[1] // 2 if glu else w.shape[1]
+    out = torch.empty(rows.shape[0], n_out, dtype=out_dtype or x.dtype, device=x.device)
     k = w.shape[-1]
     cfg = _tiles(segments, tree, k)
     count, subtiles, seg = rows.shape[0], 1, False
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
     decode = grouped_decode(tokens, slots, w.shape[0])
     if tma and decode:
-        cfg = grouped_tiles(role, tokens, slots, w.shape[0], w.shape[1], k, sm_count(x))
+        cfg = grouped_tiles(role, tokens, slots, w.shape[0], n_out, k, sm_count(x))
         count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
     elif tma:
         cfg = by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
@@ -772,7 +773,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
     if tma:
-        return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles, silu=silu)
+        return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles, glu=glu)
     if seg:
         return seg_tree.launch(x, w, out, rows, block_expert, count, segments, cfg, subtiles=subtiles)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import ALIGN, grouped_matmul, matmul, matmul_reference, silu_fusable
+from true_on_policy.kernels.matmul import ALIGN, glu_fusable, grouped_matmul, matmul, matmul_reference
 from true_on_policy.kernels.tree_reduce import finish_tree, rank_in, resolve_width, segments_for, sum_exact, world_size
 
 HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
@@ -31,12 +31,11 @@ HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); element
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
 ALIGN_MIN_CHUNK = 128  # align's one-launch form: its chunk at least one slot per thread of 4 warps
-# On: the flat down projection forms h = silu(gate) * up in its A load where it runs on the TMA decode path
-# (matmul.silu_fusable): silu_mul's bits without its launch (GPU tier: test_silu_in_down_equals_separate).
-# Off (the default): silu_mul's own launch first. Each column tile of the down GEMM forms its rows' h
-# again, and that costs more than the launch it saves (benchmarks/op_profile.py, tpo_silufused against
-# tpo; TRUE_ON_POLICY_MOE_SILU=fused turns it on).
-SILU_IN_DOWN = False
+# On: the gate/up GEMM stores h = silu(gate) * up where it runs on the TMA decode path (matmul.glu_fusable),
+# each program computing a gate tile and its up tile: silu_mul's bits without its launch (GPU tier:
+# test_silu_in_up_equals_separate). Off (the default): silu_mul's own launch after the GEMM.
+# TRUE_ON_POLICY_MOE_SILU=up turns it on; benchmarks compare both (tpo_siluup against tpo).
+SILU_IN_UP = False
 
 
 # ---------------------------------------------------------------- references (plain torch)
@@ -137,8 +136,8 @@ def _route_kernel(LOGITS, W_OUT, ID_OUT, stride_l, E, K: tl.constexpr, KP: tl.co
 
 @triton.jit
 def silu_times_up(g, u):
-    """h = bf16(fp32(bf16(silu(fp32 g))) * fp32 u), elementwise on loaded gate and up values (bf16):
-    the one formula ``silu_mul`` and the down GEMM's fused A load (``grouped_matmul(silu=True)``) share."""
+    """h = bf16(fp32(bf16(silu(fp32 g))) * fp32 u), elementwise on gate and up values (bf16): the one
+    formula ``silu_mul`` and the gate/up GEMM's GLU epilogue (``grouped_matmul(glu=True)``) share."""
     g = g.to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
     return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
@@ -335,18 +334,15 @@ def expert_outputs(x, ids, w13, w2, first_expert: int, segments: int, width: int
 def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
     # tokens and slots (T x k, the pairs ``align`` placed) choose the grouped GEMMs' tiles (matmul.grouped_tiles)
     t, slots = x.shape[0], pos.shape[0]
-    gate_up = grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots)
+    if SILU_IN_UP and glu_fusable(x, w13, t, slots):  # h stored by the gate/up GEMM: silu_mul's rows, no launch
+        h = grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots, glu=True)
+    else:
+        h = silu_mul(grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots), pos)
     # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop; at tree
     # width 1 (the flat contract) as the down projection's role (its tiles above the decode bound: matmul.DOWN_TMA)
     flat = resolve_width(width) == 1
-    tree = segments > 1
-    role = "down" if flat else "plain"
-    if SILU_IN_DOWN and flat and silu_fusable(gate_up, w2, t, slots, segments, tree):
-        # h formed in the down GEMM's A load (silu_times_up): the rows silu_mul would write, no launch of its own
-        return grouped_matmul(gate_up, w2, own, block_expert, torch.float32, segments, tree=tree, role=role, tokens=t,
-                              slots=slots, silu=True)
-    return grouped_matmul(silu_mul(gate_up, pos), w2, own, block_expert, torch.float32, segments, tree=tree, role=role,
-                          tokens=t, slots=slots)
+    return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1,
+                          role="down" if flat else "plain", tokens=t, slots=slots)
 
 
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None, width: int | None = None):

@@ -21,9 +21,9 @@
    the down-projection tree over SGLang's MoE-TP ``GroupCoordinator`` (fp32 roots gathered);
    EP (``moe_ep_size`` > 1) sums the fp32 slot outputs, each non-zero on exactly one rank
    (exact), then every rank runs the same combine. SGLang's own MoE all-reduces are in the
-   replaced method, so none of them runs. ``TRUE_ON_POLICY_MOE_SILU=fused`` forms silu(gate) * up
-   in the flat down projection's operand load where it runs on the TMA decode path
-   (``kernels.moe.SILU_IN_DOWN``, the same bits); unset or ``separate``, its own launch.
+   replaced method, so none of them runs. ``TRUE_ON_POLICY_MOE_SILU=up`` has the gate/up GEMM
+   store silu(gate) * up where it runs on the TMA decode path (``kernels.moe.SILU_IN_UP``, the
+   same bits); unset or ``separate``, its own launch.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal
 QK_NORM = "sglang.srt.models.qwen3_moe.apply_qk_norm"
 QK_NORM_ROPE = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.apply_qk_norm_rope"
 QK_NORM_ROPE_MODES = ("separate", "fused")
-MOE_SILU_MODES = ("separate", "fused")
+MOE_SILU_MODES = ("separate", "up")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -68,12 +68,12 @@ def qk_norm_rope_mode() -> str:
 
 
 def moe_silu_mode() -> str:
-    """TRUE_ON_POLICY_MOE_SILU: "separate" (also when unset) or "fused"; anything else is refused."""
+    """TRUE_ON_POLICY_MOE_SILU: "separate" (also when unset) or "up"; anything else is refused."""
     mode = (env.MOE_SILU.get("") or "separate").strip()
     if mode not in MOE_SILU_MODES:
         raise PatchError(f"{env.MOE_SILU.name}={mode!r} is not one of {', '.join(MOE_SILU_MODES)}: unset it or set "
-                         "it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'fused' (silu(gate) * up "
-                         "formed in the down projection's load at decode)")
+                         "it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'up' (silu(gate) * up "
+                         "stored by the gate/up GEMM at decode)")
     return mode
 
 
@@ -143,7 +143,7 @@ def apply(policy) -> PatchRecord:
     fused = qk_norm_rope_mode() == "fused"  # a bad value is refused as the patches install
     from true_on_policy.kernels import moe
 
-    moe.SILU_IN_DOWN = moe_silu_mode() == "fused"
+    moe.SILU_IN_UP = moe_silu_mode() == "up"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -153,8 +153,8 @@ def apply(policy) -> PatchRecord:
                            "RoPE binding asserted",
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
                            "MoE-TP tree roots gathered, EP slot outputs summed exactly); silu(gate) * up "
-                           + ("in the flat down projection's load at decode (TRUE_ON_POLICY_MOE_SILU=fused)"
-                              if moe.SILU_IN_DOWN else "in its own launch"),
+                           + ("stored by the gate/up GEMM at decode (TRUE_ON_POLICY_MOE_SILU=up)"
+                              if moe.SILU_IN_UP else "in its own launch"),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

@@ -62,11 +62,10 @@ QK_NORM_ROPE = EnvVar(
 
 MOE_SILU = EnvVar(
     "TRUE_ON_POLICY_MOE_SILU",
-    "'separate' or unset runs the MoE's silu(gate) * up in a launch of its own (kernels.moe.silu_mul); 'fused' "
-    "forms it in the flat down projection's operand load where that GEMM runs on the TMA decode path "
-    "(kernels.matmul.silu_fusable), with no launch of its own, but slower (each column tile forms it again); any "
-    "other value is refused when the patches install. Speed only: the same bits (tests/gpu/test_kernels_gpu.py "
-    "checks them)",
+    "'separate' or unset runs the MoE's silu(gate) * up in a launch of its own (kernels.moe.silu_mul); 'up' "
+    "has the gate/up GEMM store it where that GEMM runs on the TMA decode path (kernels.matmul.glu_fusable), each "
+    "program computing a gate tile and its up tile, with no launch of its own; any other value is refused when "
+    "the patches install. Speed only: the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(

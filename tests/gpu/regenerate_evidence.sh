@@ -3,9 +3,9 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | tilechoice | tp2 | pp2 (two GPUs
+#        attntiles | ropeqk | qknormrope | silu | siluup | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu and tilechoice)
+#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -216,13 +216,12 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
       --workload plain --variants stock tpo tpo_qksep --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-qknr.json" ;;
-  silu)  # issue 37: silu(gate) * up formed in the flat down projection's load at decode (TRUE_ON_POLICY_MOE_SILU=fused;
-    # the default is its own launch): its bits against silu_mul then the GEMM (every down tile, three geometries, 1-4096
-    # tokens; moe with it on and off), with the decode tiles of the plain GEMMs (the lm_head's too) and the one-launch
-    # expert table; the 48-layer parity at the default (the QK-norm in the RoPE launch too, as the flat group's a3b48
-    # line); a3b48's plain and tail cells, stock against tpo (resumable, like space); after the 48-layer checkpoint is
-    # dropped from RAM, the tail profile of h1536e256k6, stock, tpo_silufused and tpo_silusep, and its plain and tail
-    # cells, stock against tpo_silusep. The files at 0b8e0f2 ran with fused as the default: their tpo is fused
+  silu)  # issue 37, at 0b8e0f2: silu(gate) * up formed in the flat down projection's load at decode, the default then,
+    # measured slower and since removed: its files ran at that commit (check it out to re-run them as they ran; their
+    # tpo is that form). Its bits against silu_mul then the GEMM with the decode tiles of the plain GEMMs (the lm_head's
+    # too) and the one-launch expert table; the 48-layer parity; a3b48's plain and tail, stock against tpo; after the
+    # 48-layer checkpoint is dropped from RAM, the tail profile of h1536e256k6 (stock, tpo, tpo_silusep) and its plain
+    # and tail cells (stock, tpo_silusep: the silu's own launch, the default since)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-silu-down tests/gpu/test_kernels_gpu.py -k "silu_in_down or decode_tiles_equal_pointer or align_is"
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
@@ -232,11 +231,24 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-silu.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
-      --workload plain --variants stock tpo_silufused tpo_silusep --mem 0.85 --make-room --resume \
+      --workload plain --variants stock tpo tpo_silusep --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-silu.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
       --variants stock tpo_silusep --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-silusep.json" ;;
+  siluup)  # issue 37: the gate/up GEMM storing silu(gate) * up at decode (its GLU form; TRUE_ON_POLICY_MOE_SILU=up,
+    # opt-in until measured): its bits against silu_mul of the GEMM's rows (every gate/up tile, three geometries, 1-4096
+    # tokens; moe with it on and off at both tree widths); the tail profile of h1536e256k6, stock, tpo and tpo_siluup;
+    # a3b48's plain, tail and qwen cells, stock (its flashinfer sampling for qwen) against tpo and tpo_siluup
+    # (resumable, like space)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-silu-up tests/gpu/test_kernels_gpu.py -k silu_in_up
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
+      --workload plain --variants stock tpo tpo_siluup --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-h1536e256k6-siluup.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail qwen \
+      --variants stock stock_fi tpo tpo_siluup --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room \
+      --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-siluup.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too

@@ -754,11 +754,12 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
 
 
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
-def test_silu_in_down_equals_separate(geometry, monkeypatch, gpu_evidence):
-    """The flat down projection with silu(gate) * up formed in its load (``grouped_matmul(silu=True)``)
-    computes the bits of ``moe.silu_mul``'s rows fed to the same GEMM: every down tile, one tile per
-    program and the decode block loop, at every decode token count; and ``moe.moe`` at tree width 1
-    gives the same output with ``SILU_IN_DOWN`` on and off (on: fused wherever ``silu_fusable``)."""
+def test_silu_in_up_equals_separate(geometry, monkeypatch, gpu_evidence):
+    """The gate/up GEMM's GLU form (``grouped_matmul(glu=True)``: a gate tile and its up tile in one
+    program, silu(gate) * up stored) computes ``moe.silu_mul`` of the same GEMM's gate/up rows: every
+    gate/up tile, one tile per program and the decode block loop, at every decode token count; and
+    ``moe.moe`` at both tree widths gives the same output with ``SILU_IN_UP`` on and off (on: the GLU
+    form wherever ``glu_fusable``)."""
     import true_on_policy.kernels.grouped_tma as gt
     import true_on_policy.kernels.matmul as mm
     from true_on_policy.kernels import moe
@@ -767,33 +768,34 @@ def test_silu_in_down_equals_separate(geometry, monkeypatch, gpu_evidence):
     g = _gen(h + inter)
     w13, w2 = _randn(g, e, 2 * inter, h, scale=0.03), _randn(g, e, h, inter, scale=0.03)
     router = _randn(g, e, h, scale=0.03)
-    fused_counts = []
+    glu_counts = []
     for t in DECODE_COUNTS:
+        x = _randn(g, t, h)
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
-        _, be, pos, own = moe.align(ids, 0, e)
-        gate_up = _randn(g, own.shape[0], 2 * inter, scale=2.0)
-        hh = moe.silu_mul(gate_up, pos)
-        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
-        p = own.shape[0]
-        for cfg in mm.candidate_tiles("down"):
+        rows, be, pos, _ = moe.align(ids, 0, e)
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (rows >= 0)
+        p = rows.shape[0]
+        for cfg in mm.candidate_tiles("gate_up"):
             for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
                 count = p if sub == 1 else mm.used_blocks(t * top_k, e) * mm.ALIGN
                 bexp = be.repeat_interleave(mm.ALIGN // (cfg["BLOCK_M"] * sub))
-                out = torch.empty(p, h, dtype=torch.float32, device="cuda")
-                want = gt.launch(hh, w2, out, own, bexp, count, cfg, subtiles=sub)[real]
-                got = gt.launch(gate_up, w2, torch.empty_like(out), own, bexp, count, cfg, subtiles=sub, silu=True)
-                _same(got[real], want, f"{geometry} silu in down tokens={t} tile {cfg} subtiles={sub}")
-        x = _randn(g, t, h)
-        outs = []
-        for on in (True, False):
-            monkeypatch.setattr(moe, "SILU_IN_DOWN", on)
-            outs.append(moe.moe(x, router, w13, w2, top_k, width=1))
-        _same(outs[0], outs[1], f"{geometry} moe tokens={t} SILU_IN_DOWN on/off")
-        if mm.silu_fusable(gate_up, w2, t, t * top_k):
-            fused_counts.append(t)
-    assert fused_counts, f"{geometry}: no decode count took the fused path"
-    gpu_evidence.append({"test": f"silu_in_down_eq_separate_{geometry}", "tokens": DECODE_COUNTS,
-                         "fused_tokens": fused_counts, "tiles": len(mm.candidate_tiles("down")), "bitwise": True})
+                gate_up = gt.launch(x, w13, torch.empty(p, 2 * inter, dtype=torch.bfloat16, device="cuda"), rows, bexp,
+                                    count, cfg, subtiles=sub)
+                want = moe.silu_mul(gate_up, pos)[real]
+                got = gt.launch(x, w13, torch.empty(p, inter, dtype=torch.bfloat16, device="cuda"), rows, bexp, count,
+                                cfg, subtiles=sub, glu=True)
+                _same(got[real], want, f"{geometry} GLU tokens={t} tile {cfg} subtiles={sub}")
+        for width in (1, 8):
+            outs = []
+            for on in (True, False):
+                monkeypatch.setattr(moe, "SILU_IN_UP", on)
+                outs.append(moe.moe(x, router, w13, w2, top_k, width=width))
+            _same(outs[0], outs[1], f"{geometry} moe tokens={t} width={width} SILU_IN_UP on/off")
+        if mm.glu_fusable(x, w13, t, t * top_k):
+            glu_counts.append(t)
+    assert glu_counts, f"{geometry}: no decode count took the GLU form"
+    gpu_evidence.append({"test": f"silu_in_up_eq_separate_{geometry}", "tokens": DECODE_COUNTS,
+                         "glu_tokens": glu_counts, "tiles": len(mm.candidate_tiles("gate_up")), "bitwise": True})
 
 
 @pytest.mark.parametrize("segments", [8, 4, 2, 1])  # local segments at TP 1, 2, 4, 8 (K sharded alike)
