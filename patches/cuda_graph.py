@@ -20,7 +20,7 @@ import time
 
 from true_on_policy import env, patching
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, wrap
+from true_on_policy.patching import PatchError, env_choice, wrap
 
 CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture"
 PREFILL_CAPTURE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture"
@@ -71,14 +71,10 @@ DECODE_TILE_MODES = ("choose", "fixed")
 
 
 def decode_tiles_mode() -> str:
-    """TRUE_ON_POLICY_DECODE_TILES: "choose" (also when unset) or "fixed"; anything else is refused,
-    naming the variable and its values (a typo must not silently change what runs)."""
-    mode = (env.DECODE_TILES.get("") or "choose").strip()
-    if mode not in DECODE_TILE_MODES:
-        raise PatchError(f"{env.DECODE_TILES.name}={mode!r} is not one of {', '.join(DECODE_TILE_MODES)}: unset it "
-                         "(the decode attention's tiles timed at start-up) or set it to 'fixed' (the fixed tile, "
-                         "no timing at start-up)")
-    return mode
+    """TRUE_ON_POLICY_DECODE_TILES: "choose" (also when unset) or "fixed"; anything else is refused."""
+    return env_choice(env.DECODE_TILES, "choose", DECODE_TILE_MODES,
+                      "unset it (the decode attention's tiles timed at start-up) or set it to 'fixed' (the fixed "
+                      "tile, no timing at start-up)")
 
 
 def timed_batches(capture_bs) -> list[int]:

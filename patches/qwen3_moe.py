@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from true_on_policy import env
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, after, replacing, wrap
+from true_on_policy.patching import PatchError, after, env_choice, replacing, wrap
 
 ATTENTION_INIT = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__"
 MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal"
@@ -57,24 +57,17 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
 
 
 def qk_norm_rope_mode() -> str:
-    """TRUE_ON_POLICY_QK_NORM_ROPE: "fused" (also when unset) or "separate"; anything else is refused,
-    naming the variable and its values (a typo must not silently change what runs)."""
-    mode = (env.QK_NORM_ROPE.get("") or "fused").strip()
-    if mode not in QK_NORM_ROPE_MODES:
-        raise PatchError(f"{env.QK_NORM_ROPE.name}={mode!r} is not one of {', '.join(QK_NORM_ROPE_MODES)}: unset "
-                         "it or set it to 'fused' (the QK-norm in the RoPE launch, the default) or 'separate' (the "
-                         "QK-norm in launches of its own)")
-    return mode
+    """TRUE_ON_POLICY_QK_NORM_ROPE: "fused" (also when unset) or "separate"; anything else is refused."""
+    return env_choice(env.QK_NORM_ROPE, "fused", QK_NORM_ROPE_MODES,
+                      "unset it or set it to 'fused' (the QK-norm in the RoPE launch, the default) or 'separate' (the "
+                      "QK-norm in launches of its own)")
 
 
 def moe_silu_mode() -> str:
     """TRUE_ON_POLICY_MOE_SILU: "separate" (also when unset) or "up"; anything else is refused."""
-    mode = (env.MOE_SILU.get("") or "separate").strip()
-    if mode not in MOE_SILU_MODES:
-        raise PatchError(f"{env.MOE_SILU.name}={mode!r} is not one of {', '.join(MOE_SILU_MODES)}: unset it or set "
-                         "it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'up' (silu(gate) * up "
-                         "stored by the gate/up GEMM at decode)")
-    return mode
+    return env_choice(env.MOE_SILU, "separate", MOE_SILU_MODES,
+                      "unset it or set it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'up' "
+                      "(silu(gate) * up stored by the gate/up GEMM at decode)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:

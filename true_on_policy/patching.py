@@ -36,6 +36,16 @@ class PatchError(RuntimeError):
     pass
 
 
+def env_choice(var, default: str, modes: tuple[str, ...], fix: str) -> str:
+    """The value of the switch ``var`` (an ``env.EnvVar``), stripped; ``default`` when unset or empty.
+    Any value outside ``modes`` is refused, naming the variable, its values and ``fix`` (a typo must
+    not silently change what runs)."""
+    mode = (var.get("") or default).strip()
+    if mode not in modes:
+        raise PatchError(f"{var.name}={mode!r} is not one of {', '.join(modes)}: {fix}")
+    return mode
+
+
 def qualified(obj: Any) -> str:
     """``module.qualname`` of a function or class (what a manifest prints for it)."""
     mod = getattr(obj, "__module__", None) or "?"
