@@ -4,7 +4,8 @@ computes the bits of the form the rollout runs today (speed decides only among c
 the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
-        [--gemms down down_flat gate_up o_proj o_proj_flat qkv router lm_head qk_norm align combine] [--copies 1] [--out X.json]
+        [--gemms down down_flat gate_up o_proj o_proj_flat qkv router lm_head qk_norm align combine] [--copies 1] \\
+        [--dense-geometry NAME] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
@@ -20,9 +21,11 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
   [2048, 4096] (o_proj at tree width 1: one plain GEMM): reference ``matmul`` with the role the
   rollout passes ("plain", "router", "row"); candidates: other TMA tiles, the decode grid's 16-row
-  tiles, and those with deeper pipelines (``DEEP``: 6 and 8 stages). ``--copies N`` times
+  tiles, and those with deeper pipelines (``DEEP``: 6 to 12 stages of
+  64- or 128-wide K chunks, 4 to 8 of 256). ``--copies N`` times
   these three over N copies of the weight, one after the other (a row's time is the total over
   N divided by N), so that the weights come from HBM as in the model's layer stack, not from the 50 MB L2.
+  ``--dense-geometry NAME`` takes these three GEMMs' shapes from a geometry of ``benchmarks/geometries.py``.
 - o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
@@ -89,8 +92,8 @@ DENSE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]
 # decode-grid shapes with deeper pipelines (more of a program's K loop in flight; num_stages sets only how far
 # ahead operands are fetched, so the same bits): candidates for the few-row GEMMs, which wait on HBM latency
-DEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st) for bn in (16, 32, 64) for bk in (64, 128)
-        for st in (6, 8)]
+DEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st) for bn in (16, 32, 64)
+        for bk, st in ((64, 6), (64, 8), (128, 6), (128, 8), (128, 12), (256, 4), (256, 6), (256, 8))]
 ROLE = {"qkv": "plain", "router": "router", "o_proj_flat": "row"}  # the role the rollout passes
 FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=4, FLAT=True),  # ROW_FLAT
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GROUP=1, FLAT=True),
@@ -252,16 +255,28 @@ def _cases(gemm, t, g, w, mm, moe):
     return ref, [("tma", c, tma(c)) for c in DENSE + grid + DEEP] + [("cuBLAS", {}, cublas)], None, n * k * 2
 
 
-def run(tokens, gemms, copies=1):
+def dense_shapes(geometry: str | None) -> dict:
+    """[N, K] of the dense GEMMs (qkv, o_proj, router) of one layer of ``geometry`` (a name
+    ``benchmarks/geometries.py`` knows), or of 30B-A3B's layer."""
+    if geometry is None:
+        return {"qkv": (QKV, H), "o": (H, O_IN), "router": (E, H)}
+    from geometries import spec
+
+    s = spec(geometry)
+    h, d = s["hidden_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "router": (s["num_experts"], h)}
+
+
+def run(tokens, gemms, copies=1, dense_geometry=None):
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.moe as moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = {"w2": (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.03).bfloat16(),
-         "w13": (torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.03).bfloat16(),
-         "o": (torch.randn(H, O_IN, device="cuda", generator=g) * 0.02).bfloat16(),
-         "qkv": (torch.randn(QKV, H, device="cuda", generator=g) * 0.02).bfloat16(),
-         "router": (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()}
+         "w13": (torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.03).bfloat16()}
+    for key, shape in dense_shapes(dense_geometry).items():
+        w[key] = (torch.randn(*shape, device="cuda", generator=g) * 0.02).bfloat16()
     if "lm_head" in gemms:
         w["lm_head"] = (torch.randn(VOCAB, H, device="cuda", generator=g) * 0.02).bfloat16()
     for key in ("qkv", "router", "o"):  # the dense GEMMs' weights, once each plus copies-1 more
@@ -312,14 +327,17 @@ def main(argv=None):
     ap.add_argument("--gemms", nargs="+", choices=ops, default=list(ops))
     ap.add_argument("--copies", type=int, default=1,
                     help="time qkv, router and o_proj_flat over this many copies of the weight (HBM, not L2)")
+    ap.add_argument("--dense-geometry", help="take qkv, router and o_proj_flat's shapes from this geometry of "
+                    "benchmarks/geometries.py (default: 30B-A3B's layer)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/gemm_sweep.py", *argv])
-    rows = run(a.tokens, a.gemms, a.copies)
+    rows = run(a.tokens, a.gemms, a.copies, a.dense_geometry)
     if a.out:
-        write_evidence(a.out, {"copies": a.copies, "rows": rows}, prov)
+        write_evidence(a.out, {"copies": a.copies, "dense_geometry": a.dense_geometry or "a3b48 (layer)",
+                               "dense_shapes": dense_shapes(a.dense_geometry), "rows": rows}, prov)
 
 
 if __name__ == "__main__":
