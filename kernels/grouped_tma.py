@@ -91,6 +91,17 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0 and x.stride(-1) == 1
 
 
+GLU_STAGE_BUDGET = 210 * 1024  # shared-memory bytes the GLU form's pipeline stages may take (an H200 SM: 227 KiB)
+
+
+def glu_stages(cfg: dict) -> int:
+    """The GLU form's pipeline depth for ``cfg``: its stages hold an activation tile and two weight
+    tiles (gate and up), so a tile's own depth is cut to what GLU_STAGE_BUDGET holds (at least 2).
+    How far ahead operands are fetched changes no bit."""
+    stage = (cfg["BLOCK_M"] + 2 * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    return max(2, min(cfg["num_stages"], GLU_STAGE_BUDGET // stage))
+
+
 def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: int | None = None,
            subtiles: int = 1, glu: bool = False):
     """x [T, K]; w [E, N, K] contiguous; rows_idx [P] (token of each table row, -1 padding);
@@ -101,7 +112,7 @@ def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: in
     interpreter, the K width of one rounding of ``matmul.interpreted_dot`` (default BLOCK_K: the
     pointer kernel's per-chunk rounding). ``glu``: w is the gate/up weight
     [E, 2N', K] and out [P, N'] receives h = ``moe.silu_mul`` of the gate/up rows, one program
-    computing a gate tile and its up tile."""
+    computing a gate tile and its up tile (``glu_stages`` deep)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, n, k = w.shape
@@ -112,5 +123,6 @@ def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: in
         _grouped_tma_kernel[grid](x, desc, out, rows_idx, block_expert, rows, n, k, x.stride(0), x.stride(1),
                                   out.stride(0), out.stride(1), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                   BLOCK_K=cfg["BLOCK_K"], DOT_F32=INTERPRETED, STEP=dot_step or cfg["BLOCK_K"],
-                                  SUBTILES=subtiles, GLU=glu, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                  SUBTILES=subtiles, GLU=glu, num_warps=cfg["num_warps"],
+                                  num_stages=glu_stages(cfg) if glu else cfg["num_stages"])
     return out

@@ -10,7 +10,7 @@ Invariance: row i depends only on row i of x and on W (never on the number of ro
 order or the tile they share); column j depends only on row j of W, so splitting W's rows over
 ranks (column parallel) changes no output element. Tile sizes are constants (below), the same
 for every token count, except the TMA tiles and the tree GEMMs' tiles at decode row counts under
-DECODE_TILES (``decode_tile``, ``split_tiles``, ``tree_tiles``, ``seg_tiles``: chosen from the GEMM's
+DECODE_TILES (``decode_tile``, ``dense_decode_tile``, ``split_tiles``, ``tree_tiles``, ``seg_tiles``: chosen from the GEMM's
 shape and the device's SM count, the segments' K chunks kept) and the tile tables of the tree-width-1 GEMMs
 (``ROW_TMA``, ``DOWN_TMA``), whose tiles all compute the same bits (checked on the GPU); ``M`` is
 not specialised by Triton (``do_not_specialize``).
@@ -282,7 +282,8 @@ GROUP_M = 8
 # Decode tiles, from the geometry. At few rows a GEMM reads each weight once from HBM and is bound
 # by its bandwidth, which takes enough programs in flight: PROGRAMS_PER_SM per SM doing real work.
 # K is never split (that would change the bits), so the programs come from narrower tiles, picked
-# by ``decode_tile`` from DECODE_GRID. Every tile of the grid runs the same 16-wide MMA steps over K
+# by ``decode_tile`` from DECODE_GRID (the grouped GEMMs) and ``dense_decode_tile`` from DENSE_GRID
+# (DECODE_GRID and WIDE_GRID's 256-wide K chunks: the dense GEMMs). Every tile of the grid runs the same 16-wide MMA steps over K
 # from k = 0 upward into one fp32 accumulator (BLOCK_K 64 or 128 only groups those steps, as in
 # ROW_TMA; num_stages only sets how far ahead operands are fetched), so all compute the same bits
 # (GPU tier: test_decode_tiles_equal_pointer, every tile at 1 to 4096 rows and the Qwen3-MoE
@@ -301,6 +302,15 @@ def _decode_cfg(bm: int, bn: int, bk: int) -> dict:
 
 DECODE_GRID = {(bm, bn, bk): _decode_cfg(bm, bn, bk) for bm in DECODE_BM for bn in DECODE_BN for bk in (64, 128)}
 DECODE_ROLES = ("plain", "row", "router", "lm_head")
+# The dense GEMMs' decode tiles (qkv, o_proj at tree width 1, router, lm_head: ``dense_decode_tile``) also
+# take 256-wide K chunks where a stage of them stays small (WIDE_STAGE_BYTES, so that 4 stages fit):
+# a program then has more of its K in flight and waits on fewer loop steps. The same 16-wide MMA steps
+# from k = 0 upward, so the same bits as every other tile of the grid (GPU tier: test_decode_tiles_equal_pointer).
+WIDE_K = 256
+WIDE_STAGE_BYTES = 40 * 1024
+WIDE_GRID = {(bm, bn, WIDE_K): dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=WIDE_K, num_warps=4, num_stages=4)
+             for bm in DECODE_BM for bn in DECODE_BN if (bm + bn) * WIDE_K * 2 <= WIDE_STAGE_BYTES}
+DENSE_GRID = {**DECODE_GRID, **WIDE_GRID}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -316,6 +326,33 @@ def decode_tile(rows: int, n: int, k: int, sms: int, groups: int = 1, looped: bo
     bk = 128 if k >= LONG_K else 64
     busy = groups * (1 if looped else triton.cdiv(rows, bm))
     return DECODE_GRID[bm, fill_width(decode_widths(k), busy, n, sms), bk]
+
+
+@functools.lru_cache(maxsize=4096)
+def dense_decode_tile(rows: int, n: int, k: int, sms: int) -> dict:
+    """The decode tile of a dense GEMM (qkv, o_proj, router, lm_head) of ``rows`` rows, N columns, reduction
+    length K, on ``sms`` SMs: fewer, wider programs than ``decode_tile``'s, each with more bytes in flight.
+    BLOCK_N: the widest of ``decode_widths(k)`` giving >= DENSE_PROGRAMS_PER_SM x sms programs, else the
+    narrowest; BLOCK_M: ``decode_bm(rows)``, or DECODE_BM's largest (the warp-group MMA) where even the
+    narrowest tiles give fewer than FEW_PROGRAMS_PER_SM x sms programs (a router); BLOCK_K: WIDE_K where
+    K >= LONG_K is a multiple of it and the tile is in WIDE_GRID, else ``decode_tile``'s. A pure function of
+    its arguments (cached); every result is in DENSE_GRID."""
+    widths = decode_widths(k)
+    need = max(1, int(DENSE_PROGRAMS_PER_SM * sms))
+    bm = decode_bm(rows)
+    bn = next((b for b in widths if triton.cdiv(rows, bm) * triton.cdiv(n, b) >= need), widths[-1])
+    if triton.cdiv(rows, bm) * triton.cdiv(n, bn) < FEW_PROGRAMS_PER_SM * sms:
+        bm = DECODE_BM[-1]
+    if k >= LONG_K and k % WIDE_K == 0 and (bm, bn, WIDE_K) in WIDE_GRID:
+        return WIDE_GRID[bm, bn, WIDE_K]
+    return DECODE_GRID[bm, bn, 128 if k >= LONG_K else 64]
+
+
+# Dense decode GEMMs: benchmarks/gemm_sweep.py --copies 8 over qkv, o_proj and the router of 30B-A3B and
+# h1536e256k6 at 1-64 rows: 64-160 programs of 256-wide K chunks were faster than 2 x SMs programs of
+# 128-wide ones, and where only a few column tiles exist (the router's 128-256 columns) 64-row tiles were.
+DENSE_PROGRAMS_PER_SM = 0.5
+FEW_PROGRAMS_PER_SM = 0.25
 
 
 def decode_bm(rows: int) -> int:
@@ -375,10 +412,10 @@ def grouped_decode(tokens: int | None, slots: int | None, experts: int) -> bool:
 
 
 def tma_tiles(role: str, rows: int, n: int, k: int, sms: int) -> dict:
-    """The TMA tile of a plain GEMM of ``role`` at ``rows`` rows of [rows, K] @ [N, K]^T: ``decode_tile``
+    """The TMA tile of a plain GEMM of ``role`` at ``rows`` rows of [rows, K] @ [N, K]^T: ``dense_decode_tile``
     where ``plain_decode`` holds (roles DECODE_ROLES), else the role's tile or table in TMA."""
     if role in DECODE_ROLES and plain_decode(rows):
-        return decode_tile(rows, n, k, sms)
+        return dense_decode_tile(rows, n, k, sms)
     return by_rows(TMA[role], rows)
 
 
@@ -499,7 +536,8 @@ def candidate_tiles(role: str) -> list[dict]:
                 out.append(c)
         return out
     fixed = {"gate_up": [GROUPED_UP_TMA], "down": table_tiles(DOWN_TMA)}.get(role) or table_tiles(TMA[role])
-    grid = list(DECODE_GRID.values()) if role in DECODE_ROLES + ("gate_up", "down") else []
+    grid = (list(DENSE_GRID.values()) if role in DECODE_ROLES
+            else list(DECODE_GRID.values()) if role in ("gate_up", "down") else [])
     return grid + [c for c in fixed if c not in grid]
 
 

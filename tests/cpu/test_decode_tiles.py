@@ -4,9 +4,11 @@
   Qwen3-MoE layer GEMMs of 30B-A3B, 235B-A22B and an odd geometry, at 1 to 4096 rows, with and
   without ``DECODE_TILES``) is one of ``candidate_tiles(role)``, what the GPU tier checks bitwise;
 - it applies where each weight streams about once (``plain_decode``: one row tile holds the rows;
-  ``grouped_decode``: at most half a 16-row tile of expected rows per expert in use); there it keeps
-  >= PROGRAMS_PER_SM x SMs programs busy where a candidate can, with the widest such tile; elsewhere
-  (and with ``DECODE_TILES`` off) it gives the fixed tiles;
+  ``grouped_decode``: at most half a 16-row tile of expected rows per expert in use); there a grouped
+  GEMM keeps >= PROGRAMS_PER_SM x SMs programs busy where a candidate can, with the widest such tile,
+  and a dense one (``dense_decode_tile``) >= DENSE_PROGRAMS_PER_SM x SMs, with 64-row tiles where even
+  the narrowest give fewer than FEW_PROGRAMS_PER_SM x SMs and 256-wide K chunks where WIDE_GRID holds
+  the tile; elsewhere (and with ``DECODE_TILES`` off) it gives the fixed tiles;
 - ``used_blocks`` bounds the blocks ``moe.align`` fills, so the programs it trims do no work;
 - interpreted (TRITON_INTERPRET=1, 16-wide fp32 rounding steps: ``matmul.interpreted_dot``), every
   such tile computes the bits of the fixed tiles and of the 16-step reference, plain and grouped,
@@ -86,14 +88,20 @@ def test_the_rule_is_a_pure_function_of_the_shapes():
     assert forward == backward == [mm.decode_tile.__wrapped__(*a) for a in args]
     assert all(mm.decode_tile(*a) is mm.decode_tile(*a) for a in args)  # cached: one dict per shape
     assert all(c in mm.DECODE_GRID.values() for c in forward)
+    mm.dense_decode_tile.cache_clear()
+    dense = [mm.dense_decode_tile(*a) for a in args]
+    assert dense == [mm.dense_decode_tile.__wrapped__(*a) for a in args]
+    assert all(c in mm.DENSE_GRID.values() for c in dense)
     assert mm.expert_groups(8, 128) == (8, 1) and mm.expert_groups(6, 256) == (6, 1)  # top-k experts are distinct
 
 
 def test_decode_rows_fill_the_gpu(monkeypatch):
-    """Where the decode tiles apply: >= PROGRAMS_PER_SM x SMs busy programs with the widest tile that
-    gives them, else the most programs a tile allowed for K gives."""
+    """Where the grouped GEMMs' decode tiles apply: >= PROGRAMS_PER_SM x SMs busy programs with the widest
+    tile that gives them, else the most programs a tile allowed for K gives."""
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     for name, g, gemm, role, n, k in cases():
+        if role not in ("gate_up", "down"):
+            continue
         for rows in (r for r in ROWS if applies(role, r, g)):
             for sms in SMS:
                 cfg = tile(role, n, k, rows, g, sms)
@@ -110,10 +118,44 @@ def test_decode_rows_fill_the_gpu(monkeypatch):
                                                else mm.expert_groups(rows * g[5], g[4])[1])), 64), tag
 
 
+def test_dense_decode_tiles_follow_their_rule(monkeypatch):
+    """Where the dense GEMMs' decode tiles apply (qkv, o_proj, router, lm_head): BLOCK_N the widest of the
+    widths allowed for K giving >= DENSE_PROGRAMS_PER_SM x SMs programs, else the narrowest; BLOCK_M the
+    smallest holding the rows, or 64 where the programs stay under FEW_PROGRAMS_PER_SM x SMs; BLOCK_K 256
+    exactly where K >= LONG_K is a multiple of it and a stage of the tile fits WIDE_STAGE_BYTES (4 stages);
+    every tile keeps the K loop's 16-wide steps (a grid tile: BLOCK_K 64, 128 or 256)."""
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
+    seen = set()
+    for name, g, gemm, role, n, k in cases():
+        if role in ("gate_up", "down"):
+            continue
+        for rows in (r for r in ROWS if applies(role, r, g)):
+            for sms in SMS:
+                cfg = tile(role, n, k, rows, g, sms)
+                tag = (name, gemm, rows, sms, cfg)
+                need = int(mm.DENSE_PROGRAMS_PER_SM * sms)
+                widths = [bn for bn in mm.DECODE_BN if 2 * bn * k >= mm.MIN_PROGRAM_BYTES]
+                bm = next(b for b in mm.DECODE_BM if b >= rows)
+                progs = {bn: triton.cdiv(rows, bm) * triton.cdiv(n, bn) for bn in widths}
+                if max(progs.values()) >= need:
+                    assert progs[cfg["BLOCK_N"]] >= need, tag
+                    assert all(progs[bn] < need for bn in widths if bn > cfg["BLOCK_N"]), tag
+                else:
+                    assert cfg["BLOCK_N"] == min(widths), tag
+                few = progs[cfg["BLOCK_N"]] < mm.FEW_PROGRAMS_PER_SM * sms
+                assert cfg["BLOCK_M"] == (64 if few else bm), tag
+                stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * 256 * 2
+                wide = k >= mm.LONG_K and k % 256 == 0 and stage <= mm.WIDE_STAGE_BYTES
+                assert cfg["BLOCK_K"] == (256 if wide else 128 if k >= mm.LONG_K else 64), tag
+                assert cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2 <= 160 * 1024, tag
+                seen.add((gemm, cfg["BLOCK_M"], cfg["BLOCK_K"]))
+    # each branch is taken: 256-wide chunks (qkv, o_proj), 64-row router tiles, 128-wide (lm_head)
+    assert {("qkv", 16, 256), ("o_proj", 16, 256), ("router", 64, 256), ("lm_head", 16, 128)} <= seen, seen
+
+
 def test_one_row_busies_more_programs_than_the_fixed_tiles(monkeypatch):
-    """At one row the decode tile keeps twice as many programs busy as the fixed tile; the lm_head, whose
-    vocabulary-wide N fills the GPU either way, at least as many, each doing an eighth of the fixed
-    tile's MMA work (16 rows, not 128)."""
+    """At one row the decode tile keeps at least as many programs busy as the fixed tile, the grouped
+    GEMMs' twice as many; the lm_head's each do an eighth of the fixed tile's MMA work (16 rows, not 128)."""
     for name, g, gemm, role, n, k in cases():
         monkeypatch.setattr(mm, "DECODE_TILES", True)
         cfg = tile(role, n, k, 1, g, 132)
@@ -123,8 +165,10 @@ def test_one_row_busies_more_programs_than_the_fixed_tiles(monkeypatch):
         old = busy(role, fixed, n, 1, g)
         if role == "lm_head":
             assert new >= old and cfg["BLOCK_M"] * 8 == fixed["BLOCK_M"], (name, new, old, cfg, fixed)
-        else:
+        elif role in ("gate_up", "down"):
             assert new >= 2 * old, (name, gemm, new, old)
+        else:
+            assert new >= old, (name, gemm, new, old)
 
 
 def test_decode_tiles_apply_where_each_weight_streams_once(monkeypatch):
