@@ -3,9 +3,9 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | tilechoice | tp2 | pp2 (two GPUs
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup and tilechoice)
+#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -249,6 +249,24 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail qwen \
       --variants stock stock_fi tpo tpo_siluup --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room \
       --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-siluup.json" ;;
+  densetiles)  # issue 37: the dense GEMMs' decode tiles (matmul.dense_decode_tile): the sweep that chose the rule
+    # (qkv, router, o_proj_flat over 8 weight copies, 30B-A3B's and h1536e256k6's shapes, every candidate's bits), every
+    # plain and grouped decode tile and the GLU form bitwise (three geometries), h1536e256k6's tail profile (stock, tpo,
+    # tpo_siluup) and its plain and tail cells; a3b48's cells (resumable, like space)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    for g in a3b48 h1536e256k6; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms qkv router o_proj_flat --tokens 1 4 16 64 \
+        --copies 8 --dense-geometry $g --out "$E/bench-dense-decode-$g.json"
+    done
+    run tier gpu-tier-dense-tiles tests/gpu/test_kernels_gpu.py -k "decode_tiles_equal_pointer or silu_in_up"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
+      --workload plain --variants stock tpo tpo_siluup --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-h1536e256k6-dense.json"
+    for g in h1536e256k6 a3b48; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry $g --workload plain tail \
+        --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+        ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$g-dense.json"
+    done ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
