@@ -284,7 +284,7 @@ GROUP_M = 8
 # K is never split (that would change the bits), so the programs come from narrower tiles, picked
 # by ``decode_tile`` from DECODE_GRID (the grouped GEMMs) and ``dense_decode_tile`` from DENSE_GRID
 # (DECODE_GRID and WIDE_GRID's 256-wide K chunks: the dense GEMMs). Every tile of the grid runs the same 16-wide MMA steps over K
-# from k = 0 upward into one fp32 accumulator (BLOCK_K 64 or 128 only groups those steps, as in
+# from k = 0 upward into one fp32 accumulator (BLOCK_K 64, 128 or 256 only groups those steps, as in
 # ROW_TMA; num_stages only sets how far ahead operands are fetched), so all compute the same bits
 # (GPU tier: test_decode_tiles_equal_pointer, every tile at 1 to 4096 rows and the Qwen3-MoE
 # shapes; CPU tier: tests/cpu/test_decode_tiles.py under the interpreter's 16-wide stand-in).
@@ -323,9 +323,16 @@ def decode_tile(rows: int, n: int, k: int, sms: int, groups: int = 1, looped: bo
     program and gives groups x row programs x column tiles >= PROGRAMS_PER_SM x sms programs, else the
     narrowest of those. A pure function of its arguments (cached); every result is in DECODE_GRID."""
     bm = decode_bm(rows)
-    bk = 128 if k >= LONG_K else 64
+    bk = decode_bk(k)
     busy = groups * (1 if looped else triton.cdiv(rows, bm))
     return DECODE_GRID[bm, fill_width(decode_widths(k), busy, n, sms), bk]
+
+
+# Dense decode GEMMs: benchmarks/gemm_sweep.py --copies 8 over qkv, o_proj and the router of 30B-A3B and
+# h1536e256k6 at 1-64 rows: 64-160 programs of 256-wide K chunks were faster than 2 x SMs programs of
+# 128-wide ones, and where only a few column tiles exist (the router's 128-256 columns) 64-row tiles were.
+DENSE_PROGRAMS_PER_SM = 0.5
+FEW_PROGRAMS_PER_SM = 0.25
 
 
 @functools.lru_cache(maxsize=4096)
@@ -340,19 +347,18 @@ def dense_decode_tile(rows: int, n: int, k: int, sms: int) -> dict:
     widths = decode_widths(k)
     need = max(1, int(DENSE_PROGRAMS_PER_SM * sms))
     bm = decode_bm(rows)
-    bn = next((b for b in widths if triton.cdiv(rows, bm) * triton.cdiv(n, b) >= need), widths[-1])
-    if triton.cdiv(rows, bm) * triton.cdiv(n, bn) < FEW_PROGRAMS_PER_SM * sms:
+    row_tiles = triton.cdiv(rows, bm)
+    bn = next((b for b in widths if row_tiles * triton.cdiv(n, b) >= need), widths[-1])
+    if row_tiles * triton.cdiv(n, bn) < FEW_PROGRAMS_PER_SM * sms:
         bm = DECODE_BM[-1]
     if k >= LONG_K and k % WIDE_K == 0 and (bm, bn, WIDE_K) in WIDE_GRID:
         return WIDE_GRID[bm, bn, WIDE_K]
-    return DECODE_GRID[bm, bn, 128 if k >= LONG_K else 64]
+    return DECODE_GRID[bm, bn, decode_bk(k)]
 
 
-# Dense decode GEMMs: benchmarks/gemm_sweep.py --copies 8 over qkv, o_proj and the router of 30B-A3B and
-# h1536e256k6 at 1-64 rows: 64-160 programs of 256-wide K chunks were faster than 2 x SMs programs of
-# 128-wide ones, and where only a few column tiles exist (the router's 128-256 columns) 64-row tiles were.
-DENSE_PROGRAMS_PER_SM = 0.5
-FEW_PROGRAMS_PER_SM = 0.25
+def decode_bk(k: int) -> int:
+    """BLOCK_K of a DECODE_GRID tile over a K of ``k``: 128 from LONG_K, else 64."""
+    return 128 if k >= LONG_K else 64
 
 
 def decode_bm(rows: int) -> int:
