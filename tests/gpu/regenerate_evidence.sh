@@ -252,7 +252,8 @@ case $GROUP in
   densetiles)  # issue 37: the dense GEMMs' decode tiles (matmul.dense_decode_tile): the sweep that chose the rule
     # (qkv, router, o_proj_flat over 8 weight copies, 30B-A3B's and h1536e256k6's shapes, every candidate's bits), every
     # plain and grouped decode tile and the GLU form bitwise (three geometries), h1536e256k6's tail profile (stock, tpo,
-    # tpo_siluup) and its plain and tail cells; a3b48's cells (resumable, like space)
+    # tpo_siluup) and its plain and tail cells; a3b48's plain, tail and qwen cells (resumable, like space); the 48-layer
+    # parity; the h1536 truncation stress
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     for g in a3b48 h1536e256k6; do
       run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms qkv router o_proj_flat --tokens 1 4 16 64 \
@@ -263,10 +264,15 @@ case $GROUP in
       --workload plain --variants stock tpo tpo_siluup --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-dense.json"
     for g in h1536e256k6 a3b48; do
-      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry $g --workload plain tail \
+      w="plain tail"; [ $g = a3b48 ] && w="plain tail qwen"
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry $g --workload $w \
         --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
         ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$g-dense.json"
-    done ;;
+    done
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-dense-a3b48-t1.0.json"
+    rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
+    run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-dense.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
