@@ -71,6 +71,11 @@ ONE_WARP_STAGES = (1, 2, 3)
 # Every candidate gives the fixed tile's bits, so the choice is speed only.
 _DECODE_TILES: dict[tuple[int, int, int], tuple[tuple[int, dict | None], ...]] = {}
 CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much faster (timing noise)
+# Splits the choice times besides the rule's (``choice_splits``): one-warp tiles leave an SM with few warps
+# in flight where the rule stops splitting (two programs per SM), and the rule's own split can leave a
+# last round of programs half-empty; a power of two of the segments often balances them better.
+CHOICE_SPLITS = (1, 2, 4, 8)
+SPLIT_STATE_BYTES = 512 << 20  # the largest state buffer a split chosen beyond the rule may hold
 
 
 def attention_reference(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, scale=None, acc=torch.float32):
@@ -255,11 +260,15 @@ def candidate_tiles(g: int) -> list[dict]:
 def decode_tile_for(hq: int, hkv: int, d: int, batch: int) -> dict | None:
     """The decode tile chosen at start-up for ``batch`` sequences of this head layout (None: the fixed
     tile; also when nothing was chosen). A batch takes the choice of the smallest timed batch at or
-    above it, and the largest timed batch's beyond."""
+    above it; beyond the largest timed batch, that batch's tile without its split (a chosen split's
+    state buffer is bounded at the batch it was timed for), so the split rule applies."""
     sizes = _DECODE_TILES.get((hq, hkv, d))
     if not sizes:
         return None
-    return next((tile for top, tile in sizes if batch <= top), sizes[-1][1])
+    if batch > sizes[-1][0]:  # beyond every timed batch: the largest's tile, split by the rule
+        unsplit = {k: v for k, v in (sizes[-1][1] or {}).items() if k != "split"}
+        return unsplit or None
+    return next(tile for top, tile in sizes if batch <= top)
 
 
 def set_decode_tiles(hq: int, hkv: int, d: int, choice: dict[int, dict | None]) -> None:
@@ -300,21 +309,40 @@ def chooser_tiles(g: int) -> list[dict]:
     return [t for t in cands if t["BLOCK_M"] == bm and t["num_stages"] in (2, 3)]
 
 
-def decode_variants(hq: int, hkv: int, b: int, max_kv_len: int, fill: int) -> list[dict | None]:
+def decode_variants(hq: int, hkv: int, b: int, max_kv_len: int, fill: int, d: int = 128) -> list[dict | None]:
     """What the start-up choice times for ``b`` sequences: the fixed tile as the server launches it
-    (None), then the fixed tile and each of ``chooser_tiles`` with the split rule and, where the rule
-    splits, with 2 and 4 times its split (at most ``max_kv_len``'s segments), each a ``tile`` for
-    ``attention``. Never fewer splits than the rule: a choice timed over a short context must not
-    slow a long one."""
+    (None), then the fixed tile and each of ``chooser_tiles`` with the split rule and with each split of
+    ``choice_splits``, each a ``tile`` for ``attention``."""
     g = hq // hkv
     fixed = candidate_tiles(g)[0]
-    nseg_max = triton.cdiv(max_kv_len, SEG)
-    rule = split_rule(b * hkv, nseg_max, fill)
-    splits = sorted({min(m * rule, nseg_max) for m in (2, 4)} - {rule}) if rule > 1 else []
+    rule = split_rule(b * hkv, triton.cdiv(max_kv_len, SEG), fill)
+    splits = [s for s in choice_splits(hq, hkv, b, max_kv_len, fill, d) if s != rule]
     out: list[dict | None] = [None]
     for t in [fixed, *chooser_tiles(g)]:
         out += ([] if t is fixed else [t]) + [dict(t, split=s) for s in splits]
     return out
+
+
+def split_state_bytes(hq: int, b: int, max_kv_len: int, d: int) -> int:
+    """The fp32 state buffer of a split launch of ``b`` decode queries: every segment's (acc, m, l)."""
+    return triton.cdiv(max_kv_len, SEG) * b * hq * (d + 2) * 4
+
+
+def choice_splits(hq: int, hkv: int, b: int, max_kv_len: int, fill: int, d: int = 128) -> list[int]:
+    """The splits the start-up choice times for ``b`` sequences, ascending: the split rule's, 2 and 4
+    times it, and each of ``CHOICE_SPLITS`` that still gives every SM a program (``fill`` // 2), at most
+    the segments of ``max_kv_len``. So a choice timed over a short context never leaves SMs idle on a
+    long one. Where the rule does not split, a split's state buffer must stay within
+    ``SPLIT_STATE_BYTES`` (the rule's own splits, at fewer programs, keep the bound ``attention`` states)."""
+    nseg_max = triton.cdiv(max_kv_len, SEG)
+    if nseg_max <= 1:
+        return [1]
+    rule = split_rule(b * hkv, nseg_max, fill)
+    out = {min(m * rule, nseg_max) for m in (1, 2, 4)} if rule > 1 else {1}
+    out |= {min(s, nseg_max) for s in CHOICE_SPLITS if b * hkv * s >= fill // 2}
+    if rule == 1 and split_state_bytes(hq, b, max_kv_len, d) > SPLIT_STATE_BYTES:
+        out = {1}
+    return sorted(out)
 
 
 def tile_label(tile: dict | None) -> str:
@@ -382,7 +410,7 @@ def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv
     gen = torch.Generator(device=k_buf.device).manual_seed(0)
     choice: dict[int, dict | None] = {}
     for b in sorted({int(x) for x in batches if int(x) > 0}):
-        variants = decode_variants(hq, hkv, b, max_kv_len, _fill(k_buf))
+        variants = decode_variants(hq, hkv, b, max_kv_len, _fill(k_buf), d)
         med = _time_decode(hq, d, b, variants, k_buf, v_buf, max_kv_len, context, rounds, reps, gen)
         if times_out is not None:
             times_out[b] = {tile_label(v): t for v, t in zip(variants, med, strict=True)}
@@ -442,9 +470,10 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     ``max_kv_len`` (optional host int, >= every sequence's key count): lets a launch with too few
     programs to fill the GPU split its segments over programs (split-KV). Same bits either way;
     in a split launch a sequence longer than it comes out NaN, never silently short. A split
-    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32, and splits only
-    while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token bound (D 128, 132 SMs),
-    2.3 GB x G/8 for a 262144-token one (SGLang passes its context length).
+    launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32 (``split_state_bytes``).
+    The split rule splits only while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token
+    bound (D 128, 132 SMs), 2.3 GB x G/8 for a 262144-token one (SGLang passes its context length); a
+    split chosen at start-up beyond that holds at most ``SPLIT_STATE_BYTES``.
     ``out`` (optional, q's shape and dtype, unit last stride): written in place and returned
     (the caller's own output buffer: no copy).
     ``tile`` (optional): a launch tile of ``candidate_tiles`` (BLOCK_M, num_warps, num_stages) and/or

@@ -51,19 +51,39 @@ def test_the_choice_times_the_fewest_one_warp_rows_holding_the_group_in_two_or_t
     assert all(t in A.candidate_tiles(g) for t in tiles)
 
 
-@pytest.mark.parametrize("b,hkv,rule", [(1, 4, 66), (16, 4, 5), (64, 4, 2), (64, 6, 1), (256, 4, 1)])
-def test_decode_variants_are_the_fixed_tile_as_launched_then_candidates_with_more_splits(b, hkv, rule):
-    """132 SMs (an H200): the split rule reaches 264 programs. Where it splits, the variants add 2x and
-    4x its split, at most the 320 segments of 40,960 keys; never fewer than the rule."""
+@pytest.mark.parametrize("b,hkv,rule,splits", [(1, 4, 66, [66, 132, 264]), (16, 4, 5, [4, 5, 8, 10, 20]),
+                                               (64, 4, 2, [1, 2, 4, 8]), (64, 6, 1, [1, 2, 4, 8]),
+                                               (128, 4, 1, [1]), (256, 4, 1, [1])])
+def test_decode_variants_are_the_fixed_tile_as_launched_then_candidates_with_the_choice_splits(b, hkv, rule, splits):
+    """132 SMs (an H200): the split rule reaches 264 programs. The choice times the rule's split, 2x and 4x
+    it, and the powers of two up to 8 that keep a program on every SM, at most the 320 segments of 40,960
+    keys; where the rule does not split, only while the state buffer stays within the bound (group 8:
+    b 64 at 6 KV heads holds 511 MB, b 128 at 4 KV heads 681 MB)."""
     assert A.split_rule(b * hkv, 320, 264) == rule
+    assert A.choice_splits(8 * hkv, hkv, b, 40960, 264) == splits
     v = A.decode_variants(8 * hkv, hkv, b, 40960, 264)
     fixed, one_warp = A.candidate_tiles(8)[0], A.chooser_tiles(8)
-    splits = sorted({min(m * rule, 320) for m in (2, 4)}) if rule > 1 else []
-    assert all(s > rule for s in splits)
-    assert v[0] is None and v[1:] == [dict(fixed, split=s) for s in splits] + [
-        x for t in one_warp for x in [t] + [dict(t, split=s) for s in splits]]
+    more = [s for s in splits if s != rule]
+    assert v[0] is None and v[1:] == [dict(fixed, split=s) for s in more] + [
+        x for t in one_warp for x in [t] + [dict(t, split=s) for s in more]]
     assert A.tile_label(v[0]) == "fixed" and A.tile_label(v[-1]).startswith("16 rows w1 s3")
     assert A.decode_variants(8 * hkv, hkv, b, 100, 264)[1:] == one_warp  # one segment: nothing to split
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (64, 4), (40, 2), (96, 8), (4, 4)])
+@pytest.mark.parametrize("b", [1, 2, 3, 5, 16, 24, 64, 100, 128, 256])
+@pytest.mark.parametrize("max_kv_len", [100, 1000, 40960, 262144])
+@pytest.mark.parametrize("sms", [78, 132])
+def test_choice_splits_keep_every_sm_busy_and_the_state_buffer_bounded(hq, hkv, b, max_kv_len, sms):
+    fill, nseg = 2 * sms, -(-max_kv_len // A.SEG)
+    rule = A.split_rule(b * hkv, nseg, fill)
+    splits = A.choice_splits(hq, hkv, b, max_kv_len, fill)
+    assert splits == sorted(set(splits)) and rule in splits and all(1 <= s <= max(nseg, 1) for s in splits)
+    assert all(s in (rule, 2 * rule, 4 * rule, nseg) or (s in A.CHOICE_SPLITS and b * hkv * s >= sms)
+               for s in splits)
+    assert all(b * hkv * s >= sms or s >= rule for s in splits)  # never fewer programs than SMs, unless the rule's
+    if rule == 1 and splits != [1]:
+        assert A.split_state_bytes(hq, b, max_kv_len, 128) <= A.SPLIT_STATE_BYTES
 
 
 def test_a_chosen_split_is_installed_and_a_bad_one_refused():
@@ -71,6 +91,10 @@ def test_a_chosen_split_is_installed_and_a_bad_one_refused():
     try:
         A.set_decode_tiles(24, 6, 128, {8: t, 64: dict(A.candidate_tiles(4)[0], split=2)})
         assert A.decode_tile_for(24, 6, 128, 5) == t
+        assert A.decode_tile_for(24, 6, 128, 64) == dict(A.candidate_tiles(4)[0], split=2)
+        assert A.decode_tile_for(24, 6, 128, 65) == A.candidate_tiles(4)[0]  # beyond the timed batches: the rule splits
+        A.set_decode_tiles(24, 6, 128, {8: t})
+        assert A.decode_tile_for(24, 6, 128, 9) == A.chooser_tiles(4)[0]
         for bad in (dict(t, split=0), dict(t, split=True), dict(t, split=2.0)):
             with pytest.raises(KernelLimitError, match="not candidates"):
                 A.set_decode_tiles(24, 6, 128, {8: bad})

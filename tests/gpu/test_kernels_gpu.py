@@ -298,7 +298,7 @@ def test_attention_tiles_chosen_at_start_up_keep_the_bits(hq, hkv, gpu_evidence)
                               tile=A.candidate_tiles(hq // hkv)[0])
             _same(chosen, fixed, f"{hq}/{hkv} batch {b} chosen {A.decode_tile_for(hq, hkv, d, b)}")
             if b in (1, 16, 64):
-                for v in A.decode_variants(hq, hkv, b, 40960, A._fill(q))[1:]:
+                for v in A.decode_variants(hq, hkv, b, 40960, A._fill(q), d)[1:]:
                     _same(attention(q, kb, vb, table, None, None, None, 1, max_kv_len=40960, seq_lens=lens, tile=v),
                           fixed, f"{hq}/{hkv} batch {b} variant {A.tile_label(v)}")
     finally:
