@@ -276,7 +276,8 @@ case $GROUP in
   attnsplits)  # issue 37: the decode attention's choice times more splits (attention.choice_splits: powers of two
     # that keep a program on every SM, where the rule would not split or splits unevenly): every candidate and split
     # against the fixed tile, bitwise, and the choice's own timings per batch; h1536e256k6's tail profile and its
-    # plain and tail cells, stock against tpo (resumable, like space)
+    # plain and tail cells, a3b48's plain, tail and qwen cells, stock against tpo (resumable, like space); the 48-layer
+    # parity and the h1536 truncation stress
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-attention-splits tests/gpu/test_kernels_gpu.py -k attention_tiles
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
@@ -284,7 +285,14 @@ case $GROUP in
       --out "$E/profile-tail-h1536e256k6-splits.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
       --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
-      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-splits.json" ;;
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-splits.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail qwen \
+      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-splits.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-splits-a3b48-t1.0.json"
+    rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
+    run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-splits.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
