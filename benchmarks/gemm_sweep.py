@@ -5,7 +5,7 @@ the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
         [--gemms down down_flat gate_up o_proj o_proj_flat qkv router lm_head qk_norm align combine] [--copies 1] \\
-        [--dense-geometry NAME] [--out X.json]
+        [--dense-geometry NAME] [--moe-geometry NAME] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
@@ -25,7 +25,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   64- or 128-wide K chunks, 4 to 8 of 256). ``--copies N`` times
   these three over N copies of the weight, one after the other (a row's time is the total over
   N divided by N), so that the weights come from HBM as in the model's layer stack, not from the 50 MB L2.
-  ``--dense-geometry NAME`` takes these three GEMMs' shapes from a geometry of ``benchmarks/geometries.py``.
+  ``--dense-geometry NAME`` takes these three GEMMs' shapes from a geometry of ``benchmarks/geometries.py``,
+  ``--moe-geometry NAME`` the MoE's (down, down_flat, gate_up: experts, top-k, hidden, moe_intermediate).
 - o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
@@ -130,9 +131,10 @@ def _cases(gemm, t, g, w, mm, moe):
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.tree_reduce import row_linear
 
-    if gemm in ("down", "down_flat", "gate_up"):
-        ids = torch.rand(t, E, device="cuda", generator=g).argsort(dim=1)[:, :K_TOP].int()
-        rows, be, _, own = moe.align(ids, 0, E)
+    if gemm in ("down", "down_flat", "gate_up"):  # the MoE's shape: ``moe_shape`` of --moe-geometry
+        e, top, hid, inter = (w["moe"][k] for k in ("experts", "top_k", "hidden", "inter"))
+        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].int()
+        rows, be, _, own = moe.align(ids, 0, e)
         used = (be >= 0).repeat_interleave(mm.ALIGN)
 
         def bexp(bm):
@@ -140,8 +142,8 @@ def _cases(gemm, t, g, w, mm, moe):
             return be[:, None].expand(-1, per).reshape(-1).contiguous() if per > 1 else be
         touched = int(torch.unique(ids).numel())
     if gemm == "down":
-        h = torch.randn(rows.shape[0], INTER, device="cuda", generator=g).bfloat16()
-        mask, n = used & (own >= 0), H
+        h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
+        mask, n = used & (own >= 0), hid
 
         def ref():
             return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True)
@@ -150,23 +152,23 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(INTER // 8, c["BK"])]
-        return ref, cands, mask, touched * H * INTER * 2
+        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(inter // 8, c["BK"])]
+        return ref, cands, mask, touched * hid * inter * 2
     if gemm == "down_flat":  # tree width 1: the down projection as one plain grouped GEMM, fp32 out
-        h = torch.randn(rows.shape[0], INTER, device="cuda", generator=g).bfloat16()
+        h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask = used & (own >= 0)
 
         def ref():
             return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 1, tree=False)
 
         def tma(cfg):
-            out = torch.empty(rows.shape[0], H, dtype=torch.float32, device="cuda")
+            out = torch.empty(rows.shape[0], hid, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg)
-        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * H * INTER * 2
+        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
     if gemm == "gate_up":
-        x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-        mask, n = used & (rows >= 0), 2 * INTER
+        x = torch.randn(t, hid, device="cuda", generator=g).bfloat16()
+        mask, n = used & (rows >= 0), 2 * inter
 
         def ref():
             return mm.grouped_matmul(x, w["w13"], rows, be)
@@ -175,7 +177,7 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: gt.launch(x, w["w13"], out, rows, b, rows.shape[0], cfg)
-        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * INTER * H * 2
+        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * inter * hid * 2
     if gemm == "o_proj":
         x = torch.randn(t, O_IN, device="cuda", generator=g).bfloat16()
 
@@ -268,13 +270,27 @@ def dense_shapes(geometry: str | None) -> dict:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "router": (s["num_experts"], h)}
 
 
-def run(tokens, gemms, copies=1, dense_geometry=None):
+def moe_shape(geometry: str | None) -> dict:
+    """The MoE of one layer of ``geometry`` (a name ``benchmarks/geometries.py`` knows), or of 30B-A3B's
+    layer: experts, top-k, hidden size and moe_intermediate."""
+    if geometry is None:
+        return {"experts": E, "top_k": K_TOP, "hidden": H, "inter": INTER}
+    from geometries import spec
+
+    s = spec(geometry)
+    return {"experts": s["num_experts"], "top_k": s["num_experts_per_tok"], "hidden": s["hidden_size"],
+            "inter": s["moe_intermediate_size"]}
+
+
+def run(tokens, gemms, copies=1, dense_geometry=None, moe_geometry=None):
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.moe as moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = {"w2": (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.03).bfloat16(),
-         "w13": (torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.03).bfloat16()}
+    m = moe_shape(moe_geometry)
+    e, hid, inter = m["experts"], m["hidden"], m["inter"]
+    w = {"moe": m, "w2": (torch.randn(e, hid, inter, device="cuda", generator=g) * 0.03).bfloat16(),
+         "w13": (torch.randn(e, 2 * inter, hid, device="cuda", generator=g) * 0.03).bfloat16()}
     for key, shape in dense_shapes(dense_geometry).items():
         w[key] = (torch.randn(*shape, device="cuda", generator=g) * 0.02).bfloat16()
     if "lm_head" in gemms:
@@ -329,15 +345,19 @@ def main(argv=None):
                     help="time qkv, router and o_proj_flat over this many copies of the weight (HBM, not L2)")
     ap.add_argument("--dense-geometry", help="take qkv, router and o_proj_flat's shapes from this geometry of "
                     "benchmarks/geometries.py (default: 30B-A3B's layer)")
+    ap.add_argument("--moe-geometry", help="take down, down_flat and gate_up's shapes (experts, top-k, hidden, "
+                    "moe_intermediate) from this geometry of benchmarks/geometries.py (default: 30B-A3B's layer)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/gemm_sweep.py", *argv])
-    rows = run(a.tokens, a.gemms, a.copies, a.dense_geometry)
+    rows = run(a.tokens, a.gemms, a.copies, a.dense_geometry, a.moe_geometry)
     if a.out:
         write_evidence(a.out, {"copies": a.copies, "dense_geometry": a.dense_geometry or "a3b48 (layer)",
-                               "dense_shapes": dense_shapes(a.dense_geometry), "rows": rows}, prov)
+                               "dense_shapes": dense_shapes(a.dense_geometry),
+                               "moe_geometry": a.moe_geometry or "a3b48 (layer)", "moe_shape": moe_shape(a.moe_geometry),
+                               "rows": rows}, prov)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ with log-probs on, one seed per request; ``qwen`` adds top_k 20 / top_p 0.95), t
 ``sglang.benchmark.one_batch`` drives it. For each workload and decode batch B: B prompts of
 ``--context`` tokens are prefilled, 3 decode steps warm up, ``--steps`` steps run under
 ``torch.profiler`` (CPU and CUDA), then 20 more are timed with CUDA events (median: ``step_ms``).
-The prefill is one request of ``--prefill`` tokens, profiled after a warm-up prefill.
+The prefill is ``--prefill-requests`` requests (default 1) of ``--prefill`` tokens in all, in one extend
+batch, profiled after a warm-up prefill of the same shape: one long request weighs the attention's
+quadratic part, many short ones (``plain``'s prompts are 64-512 tokens) the GEMMs and the MoE.
 
 The evidence (``--out``, with the tables rendered next to it as ``.md``) is rewritten after each
 variant, each variant with the ``provenance`` of the run that measured it (the file's own is the
@@ -180,10 +182,11 @@ def phase(variant: str, model_path: str, a, workdir: str) -> dict:
                   flush=True)
     result["decode"] = result["decode_workloads"][a.workload[0]]
     runner.clear()
-    runner.extend(_reqs(1, a.prefill, 7, vocab, {}))  # warm-up: compiles the prefill forms
+    n, per = a.prefill_requests, a.prefill // a.prefill_requests
+    runner.extend(_reqs(n, per, 7, vocab, {}))  # warm-up: compiles the prefill forms
     runner.clear()
-    row = profiled(lambda: runner.extend(_reqs(1, a.prefill, 8, vocab, {})), 1, f"prefill-{a.prefill}")
-    row["tokens"] = a.prefill
+    row = profiled(lambda: runner.extend(_reqs(n, per, 8, vocab, {})), 1, f"prefill-{a.prefill}")
+    row["tokens"], row["requests"] = n * per, n
     result["prefill"] = row
     print(f"{variant} prefill {a.prefill}: kernels {row['gpu_us_per_step']:.0f} us", flush=True)
     return result
@@ -204,7 +207,8 @@ def render(path: str) -> str:
 def _record(a, model_path) -> dict:
     """What the run measures (a resumed run must match it exactly)."""
     return {"geometry": a.geometry, "model_path": model_path, "batches": a.batches, "context": a.context,
-            "prefill_tokens": a.prefill, "steps": a.steps, "workloads": a.workload, "mem": a.mem,
+            "prefill_tokens": a.prefill, **({"prefill_requests": a.prefill_requests} if a.prefill_requests > 1 else {}),
+            "steps": a.steps, "workloads": a.workload, "mem": a.mem,
             "variant_order": a.variants}
 
 
@@ -241,7 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--workload", nargs="+", default=["plain"], choices=list(SAMPLING),
                    help="the sampling of the profiled requests: plain (T = 1) or qwen (top_k 20, top_p 0.95)")
-    p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--prefill", type=int, default=4096, help="prefill tokens in all")
+    p.add_argument("--prefill-requests", type=int, default=1, help="requests the prefill tokens are split over")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--mem", type=float, default=0.6, help="mem_fraction_static of every variant")
@@ -257,6 +262,8 @@ def main(argv=None) -> int:
         return 0
     if a.variants[0] not in STOCK_EXTRA:
         p.error("the first variant is the reference: a stock one")
+    if not 1 <= a.prefill_requests <= a.prefill:
+        p.error(f"--prefill-requests {a.prefill_requests}: between 1 and --prefill ({a.prefill})")
     if a.phase:
         r = phase(a.phase, a.model_path, a, a.workdir)
         print("RESULT " + json.dumps(r), flush=True)

@@ -220,7 +220,8 @@ def markdown(doc: dict, stock_names) -> str:
                   [(v["variant"], decode_rows(v)[w][str(b)]) for v in vs if str(b) in decode_rows(v).get(w, {})])
     pre = [(v["variant"], v["prefill"]) for v in vs if v.get("prefill")]
     if pre:
-        block(f"prefill, {pre[0][1]['tokens']} tokens", pre)
+        n = pre[0][1].get("requests", 1)
+        block(f"prefill, {pre[0][1]['tokens']} tokens" + (f" in {n} requests" if n > 1 else ""), pre)
     runs = [(v["variant"], v["provenance"]) for v in vs if v.get("provenance")]
     if runs:
         n = len({source_of(p) for _, p in runs})

@@ -233,3 +233,27 @@ def test_resume_finishes_the_committed_tail_profile_with_each_variants_provenanc
 def test_resume_keeps_nothing_measured_on_another_gpu(monkeypatch, tmp_path):
     ran, d, _, _ = _resume(monkeypatch, tmp_path, "NVIDIA B200")
     assert ran == ["stock", "stock_fi", "tpo", "tpo_v1"] and d["sources"] == 1
+
+
+@pytest.mark.parametrize("requests,heading", [(None, "## prefill, 64 tokens\n"), (1, "## prefill, 64 tokens\n"),
+                                              (16, "## prefill, 64 tokens in 16 requests\n")])
+def test_the_prefill_heading_names_its_requests(requests, heading):
+    import engines
+    import step_ops
+
+    vs = [_variant("stock"), _variant("tpo")]
+    for v in vs:
+        if requests is not None:
+            v["prefill"]["requests"] = requests
+    md = step_ops.markdown({"geometry": "g", "context": 512, "batches": [1], "workloads": ["plain"], "variants": vs,
+                            "flags": []}, engines.STOCK_EXTRA)
+    assert heading in md and md.count("## prefill") == 1
+
+
+@pytest.mark.parametrize("requests", [0, -1, 4097])
+def test_prefill_requests_outside_one_to_the_tokens_are_refused(requests, capsys):
+    import op_profile
+
+    with pytest.raises(SystemExit):
+        op_profile.main(["--prefill", "4096", "--prefill-requests", str(requests)])
+    assert "--prefill-requests" in capsys.readouterr().err

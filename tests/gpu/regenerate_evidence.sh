@@ -3,9 +3,10 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | tilechoice | tp2 | pp2 (two GPUs
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | prefilltiles | tilechoice | tp2 | pp2 (two GPUs
 #        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits and tilechoice)
+#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, prefilltiles and
+#        tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -293,6 +294,17 @@ case $GROUP in
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-splits-a3b48-t1.0.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-splits.json" ;;
+  prefilltiles)  # issue 37: the prefill's MoE GEMMs: gate_up and down_flat at prefill token counts over three
+    # geometries' MoE shapes, every candidate tile's bits against the reference's; a3b48's op profile at batches 64
+    # and 256 with a prefill of 16 requests of 256 tokens (plain's prompt lengths), stock against tpo (resumable)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    for g in a3b48 h1536e256k6 a22b_h200; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms gate_up down_flat \
+        --tokens 512 2048 4096 8192 --moe-geometry $g --out "$E/bench-moe-prefill-$g.json"
+    done
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --batches 64 256 \
+      --workload plain --variants stock tpo --prefill 4096 --prefill-requests 16 --mem 0.85 --make-room --resume \
+      --out "$E/profile-a3b48-prefill16.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
