@@ -71,6 +71,11 @@ ONE_WARP_STAGES = (1, 2, 3)
 # Every candidate gives the fixed tile's bits, so the choice is speed only.
 _DECODE_TILES: dict[tuple[int, int, int], tuple[tuple[int, dict | None], ...]] = {}
 CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much faster (timing noise)
+# The decode form's flat loop (a tile's ``loop="flat"``): the nested loop runs a segment's two blocks as an
+# inner loop of two trips, which leaves a software pipeline nothing to fetch ahead across segments; the
+# flat loop runs every block of the program's segments in one loop, resetting the segment state at a
+# segment's first block and folding (or storing) it at its last: the same blocks, operations and merge order.
+# Candidates for the GPU tier and benchmarks/attention_decode.py; ``chooser_tiles`` leaves them out.
 # Splits the choice times besides the rule's (``choice_splits``): one-warp tiles leave an SM with few warps
 # in flight where the rule stops splitting (two programs per SM), and the rule's own split can leave a
 # last round of programs half-empty; a power of two of the segments often balances them better.
@@ -135,12 +140,40 @@ def _rows(b, tile, kvh, Q_START, Q_LEN, Q_POS0, SEQ_LENS, G: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _block(Q, K, V, q, table, kvh, d, pos, last, start, m, l, acc, scale, stride_kt, stride_kh, stride_vt, stride_vh,
+           BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """One block of BLOCK_N keys from absolute position ``start`` folded into a segment's state (m, l, acc)."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    k_ok = kpos <= last
+    slot = tl.load(table + kpos, mask=k_ok, other=0).to(tl.int64)
+    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float64), tl.trans(k.to(tl.float64))).to(tl.float32)
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row whose keys all lie later
+    a = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l = l * a + tl.sum(p, axis=1)
+    pv = p.to(v.dtype)
+    if DOT_F32:
+        acc = acc * a[:, None] + tl.dot(pv.to(tl.float64), v.to(tl.float64)).to(tl.float32)
+    else:
+        acc = acc * a[:, None] + tl.dot(pv, v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _attention_kernel(Q, K, V, O, PART, PART_ML, KV_INDEX, KV_ROWS, Q_START, Q_LEN, Q_POS0, SEQ_LENS, scale,
                       n_split, nseg_max, seg_rows, n_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                       stride_vh, stride_ot, stride_oh, stride_ib,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       SEG: tl.constexpr, HAS_ROWS: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      DOT_F32: tl.constexpr, FLAT_LOOP: tl.constexpr = False):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -166,40 +199,47 @@ def _attention_kernel(Q, K, V, O, PART, PART_ML, KV_INDEX, KV_ROWS, Q_START, Q_L
         seg_first = sp
         seg_step = n_split
         nseg = tl.minimum(nseg, nseg_max)  # never past the state buffer (the merge kernel flags it)
-    for j in range(seg_first, nseg, seg_step):
+    if FLAT_LOOP:  # the same blocks in one loop over this program's segments x SEG // BLOCK_N blocks
+        BPS: tl.constexpr = SEG // BLOCK_N
+        n_mine = tl.maximum(tl.cdiv(nseg - seg_first, seg_step), 0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for start in range(j * SEG, tl.minimum((j + 1) * SEG, last + 1), BLOCK_N):
-            kpos = start + tl.arange(0, BLOCK_N)
-            k_ok = kpos <= last
-            slot = tl.load(table + kpos, mask=k_ok, other=0).to(tl.int64)
-            k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=k_ok[:, None], other=0.0)
-            if DOT_F32:
-                s = tl.dot(q.to(tl.float64), tl.trans(k.to(tl.float64))).to(tl.float32)
+        for t in range(0, n_mine * BPS):
+            j = seg_first + (t // BPS) * seg_step
+            fresh = t % BPS == 0  # a segment's first block: a fresh state, as the nested loop starts one
+            m = tl.where(fresh, float("-inf"), m)
+            l = tl.where(fresh, 0.0, l)
+            acc = tl.where(fresh, 0.0, acc)
+            # a block past ``last`` (a last segment of one block) masks every key: an exact no-op
+            m, l, acc = _block(Q, K, V, q, table, kvh, d, pos, last, j * SEG + (t % BPS) * BLOCK_N, m, l, acc, scale,
+                               stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, DOT_F32)
+            end = t % BPS == BPS - 1
+            if SPLIT:
+                at = j * seg_rows + q_rows * n_heads + head
+                tl.store(PART + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & end)
+                tl.store(PART_ML + 2 * at, m, mask=row_ok & end)
+                tl.store(PART_ML + 2 * at + 1, l, mask=row_ok & end)
             else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row whose keys all lie later
-            a = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
-            l = l * a + tl.sum(p, axis=1)
-            pv = p.to(v.dtype)
-            if DOT_F32:
-                acc = acc * a[:, None] + tl.dot(pv.to(tl.float64), v.to(tl.float64)).to(tl.float32)
+                M2, L2, ACC2 = _merge(M, L, ACC, m, l, acc)
+                M = tl.where(end, M2, M)
+                L = tl.where(end, L2, L)
+                ACC = tl.where(end, ACC2, ACC)
+    else:
+        for j in range(seg_first, nseg, seg_step):
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+            for start in range(j * SEG, tl.minimum((j + 1) * SEG, last + 1), BLOCK_N):
+                m, l, acc = _block(Q, K, V, q, table, kvh, d, pos, last, start, m, l, acc, scale, stride_kt, stride_kh,
+                                   stride_vt, stride_vh, BLOCK_N, DOT_F32)
+            if SPLIT:  # state of (segment j, query row, head) at row j * seg_rows + q_row * Hq + head
+                at = j * seg_rows + q_rows * n_heads + head
+                tl.store(PART + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+                tl.store(PART_ML + 2 * at, m, mask=row_ok)
+                tl.store(PART_ML + 2 * at + 1, l, mask=row_ok)
             else:
-                acc = acc * a[:, None] + tl.dot(pv, v)
-            m = m_new
-        if SPLIT:  # state of (segment j, query row, head) at row j * seg_rows + q_row * Hq + head
-            at = j * seg_rows + q_rows * n_heads + head
-            tl.store(PART + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-            tl.store(PART_ML + 2 * at, m, mask=row_ok)
-            tl.store(PART_ML + 2 * at + 1, l, mask=row_ok)
-        else:
-            M, L, ACC = _merge(M, L, ACC, m, l, acc)
+                M, L, ACC = _merge(M, L, ACC, m, l, acc)
     if not SPLIT:
         tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  (ACC / L[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -251,10 +291,12 @@ def _check_layout(hq: int, hkv: int, d: int) -> None:
 
 def candidate_tiles(g: int) -> list[dict]:
     """The candidate launch tiles for head groups of ``g``: the fixed tile (64 rows, 4 warps, 3 stages)
-    first, then one-warp tiles of 16 or 32 rows holding a group, in 1, 2 or 3 stages."""
+    first, then one-warp tiles of 16 or 32 rows holding a group, in 1, 2 or 3 stages; then each of those
+    in the flat loop (``loop="flat"``, the decode form's blocks in one loop: ``FLAT_LOOP``)."""
     fixed = dict(BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES["decode"])
-    return [fixed] + [dict(BLOCK_M=bm, num_warps=1, num_stages=st) for bm in ONE_WARP_BM if bm >= g
-                      for st in ONE_WARP_STAGES]
+    nested = [fixed] + [dict(BLOCK_M=bm, num_warps=1, num_stages=st) for bm in ONE_WARP_BM if bm >= g
+                        for st in ONE_WARP_STAGES]
+    return nested + [dict(t, loop="flat") for t in nested]
 
 
 def decode_tile_for(hq: int, hkv: int, d: int, batch: int) -> dict | None:
@@ -302,9 +344,9 @@ def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
 
 def chooser_tiles(g: int) -> list[dict]:
     """The candidates the start-up choice times besides the fixed tile: the fewest one-warp rows that
-    hold a group of ``g``, in 2 or 3 stages (wider one-warp tiles and 1 stage were slower wherever
-    timed: docs/throughput.md)."""
-    cands = candidate_tiles(g)[1:]
+    hold a group of ``g``, in 2 or 3 stages, in the nested loop (wider one-warp tiles and 1 stage were
+    slower wherever timed: docs/throughput.md)."""
+    cands = [t for t in candidate_tiles(g)[1:] if "loop" not in t]
     bm = min((t["BLOCK_M"] for t in cands), default=None)
     return [t for t in cands if t["BLOCK_M"] == bm and t["num_stages"] in (2, 3)]
 
@@ -349,7 +391,7 @@ def tile_label(tile: dict | None) -> str:
     if not tile:
         return "fixed"
     name = f"{tile['BLOCK_M']} rows w{tile['num_warps']} s{tile['num_stages']}"
-    return name + (f" split {tile['split']}" if "split" in tile else "")
+    return name + (" flat" if tile.get("loop") == "flat" else "") + (f" split {tile['split']}" if "split" in tile else "")
 
 
 def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
@@ -422,8 +464,10 @@ def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv
 
 def _check_tile(tile: dict, g: int) -> None:
     """Refuse a launch tile outside the candidates, naming every problem."""
-    problems = [f"unknown key {k!r} (known: BLOCK_M, num_warps, num_stages, split)" for k in tile
-                if k not in ("BLOCK_M", "num_warps", "num_stages", "split")]
+    problems = [f"unknown key {k!r} (known: BLOCK_M, num_warps, num_stages, split, loop)" for k in tile
+                if k not in ("BLOCK_M", "num_warps", "num_stages", "split", "loop")]
+    if tile.get("loop", "flat") != "flat":
+        problems.append(f"loop {tile['loop']!r}: 'flat' or absent (the nested loop)")
     bm = tile.get("BLOCK_M", BLOCK_M)
     if bm not in TILE_BM or bm < g:
         problems.append(f"BLOCK_M {bm}: one of {TILE_BM} and at least the head group {g}")
@@ -527,6 +571,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         n_split, nseg_max, tq * hq, hq, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=bm,
         BLOCK_N=BLOCK_N, SEG=SEG, HAS_ROWS=kv_rows is not None, DECODE=decode, SPLIT=split, DOT_F32=INTERPRETED,
+        FLAT_LOOP=decode and tile.get("loop") == "flat",
         num_warps=tile.get("num_warps", NUM_WARPS),
         num_stages=tile.get("num_stages", NUM_STAGES["decode" if decode else "extend"]))
     if split:

@@ -13,12 +13,26 @@ from true_on_policy.patches import cuda_graph
 
 
 @pytest.mark.parametrize("g", [1, 2, 4, 6, 8, 12, 16, 20, 32, 48, 64])
-def test_candidates_are_the_fixed_tile_then_one_warp_tiles_holding_a_group(g):
+def test_candidates_are_the_fixed_tile_then_one_warp_tiles_holding_a_group_then_each_in_the_flat_loop(g):
     c = A.candidate_tiles(g)
-    assert c[0] == dict(BLOCK_M=A.BLOCK_M, num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES["decode"])
-    assert all(t["num_warps"] == 1 and g <= t["BLOCK_M"] <= 32 for t in c[1:])
-    assert {(t["BLOCK_M"], t["num_stages"]) for t in c[1:]} == {(bm, st) for bm in (16, 32) if bm >= g
-                                                                 for st in (1, 2, 3)}
+    nested, flat = c[:len(c) // 2], c[len(c) // 2:]
+    assert nested[0] == dict(BLOCK_M=A.BLOCK_M, num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES["decode"])
+    assert all(t["num_warps"] == 1 and g <= t["BLOCK_M"] <= 32 and "loop" not in t for t in nested[1:])
+    assert {(t["BLOCK_M"], t["num_stages"]) for t in nested[1:]} == {(bm, st) for bm in (16, 32) if bm >= g
+                                                                      for st in (1, 2, 3)}
+    assert flat == [dict(t, loop="flat") for t in nested]
+    assert all("loop" not in t for t in A.chooser_tiles(g))  # the choice times the nested loop only
+
+
+def test_a_loop_other_than_flat_is_refused():
+    import torch
+
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(KernelLimitError, match="loop 'wide'"):
+        A.attention(q, kv, kv, torch.zeros(1, 8, dtype=torch.int32), None, None, None, 1, seq_lens=torch.ones(1,
+                    dtype=torch.int32), tile=dict(BLOCK_M=16, num_warps=1, num_stages=2, loop="wide"))
+    assert A.tile_label(dict(BLOCK_M=16, num_warps=1, num_stages=2, loop="flat", split=4)) == "16 rows w1 s2 flat split 4"
 
 
 def test_pick_tile_keeps_the_fixed_tile_unless_a_candidate_is_faster_by_the_margin():

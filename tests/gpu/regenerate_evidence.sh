@@ -276,11 +276,14 @@ case $GROUP in
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-dense.json" ;;
   attnsplits)  # issue 37: the decode attention's choice times more splits (attention.choice_splits: powers of two
     # that keep a program on every SM, where the rule would not split or splits unevenly): every candidate and split
-    # against the fixed tile, bitwise, and the choice's own timings per batch; h1536e256k6's tail profile and its
+    # against the fixed tile, bitwise (the flat-loop candidates too), and the choice's own timings per batch; the
+    # candidates against stock's decode, the flat loop's among them; h1536e256k6's tail profile and its
     # plain and tail cells, a3b48's plain, tail and qwen cells, stock against tpo (resumable, like space); the 48-layer
     # parity and the h1536 truncation stress
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-attention-splits tests/gpu/test_kernels_gpu.py -k attention_tiles
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --geometries a3b48 h1536e256k6 \
+      --batches 16 64 256 --stages 2 3 --rounds 3 --out "$E/bench-attention-decode-flat.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
       --workload plain --variants stock tpo --mem 0.85 --make-room --resume \
       --out "$E/profile-tail-h1536e256k6-splits.json"

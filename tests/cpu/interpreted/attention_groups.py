@@ -1,7 +1,8 @@
 """Interpreted: attention for head groups G = Hq/Hkv that do not divide the 64-row tile (3, 5, 12;
 Qwen3-Coder-480B has 96/8 heads, a TP shard with a replicated KV head has Hq/tp : 1), bitwise:
 decode == prefill == chunked prefill, split-KV == one program, a sequence alone == in a ragged
-batch, paged == contiguous, a candidate launch tile (fewer rows, any split) == the fixed tile, a
+batch, paged == contiguous, a candidate launch tile (fewer rows, any split, the nested or the flat
+loop) == the fixed tile, a
 decode tile choice installed as at start-up is taken and keeps the bits; the kernel vs the
 reference within tolerance; D outside {64, 128}, G > 64 and Hq not a multiple of Hkv refused."""
 import sys
@@ -46,10 +47,12 @@ for hq, hkv, d, L in ((6, 2, 64, 150), (5, 1, 64, 140), (12, 1, 128, 133)):
                         max_kv_len=mk, seq_lens=torch.tensor(pos) + 1)
         assert torch.equal(dec, full[pos]), (G, "decode form", mk)
     for bm in sorted({t["BLOCK_M"] for t in candidate_tiles(G)}):  # candidate tiles: fewer rows, the same rows' math
-        for split in (1, 3):
-            tiled = attention(q[pos].clone(), kb, vb, table.expand(len(pos), L).contiguous(), None, None, None, 1,
-                              max_kv_len=L, seq_lens=torch.tensor(pos) + 1, tile={"BLOCK_M": bm, "split": split})
-            assert torch.equal(tiled, full[pos]), (G, "decode tile", bm, split)
+        for split in (1, 2, 3):
+            for loop in ({}, {"loop": "flat"}):  # the nested loop and the flat one
+                tiled = attention(q[pos].clone(), kb, vb, table.expand(len(pos), L).contiguous(), None, None, None, 1,
+                                  max_kv_len=L, seq_lens=torch.tensor(pos) + 1,
+                                  tile={"BLOCK_M": bm, "split": split, **loop})
+                assert torch.equal(tiled, full[pos]), (G, "decode tile", bm, split, loop)
     # a choice installed as choose_decode_tiles does: the decode form takes it (a candidate 16-row tile at
     # batches up to 2, the fixed tile above) and gives the same bits; a layout without a choice is untouched
     small = next(t for t in candidate_tiles(G) if t["BLOCK_M"] < 64) if G <= 32 else None

@@ -84,6 +84,12 @@ for mk in (None, L, 1000):
     assert torch.equal(dec, full[pos]), mk
     one = attention(q[257:258].clone(), k, v, kv, *(torch.tensor([a]) for a in (0, 1, 257)), 1, max_kv_len=mk)
     assert torch.equal(one[0], full[257]), mk
+# the flat loop over five segments: unsplit, and split so that programs run 0, 1 or 2 segments round-robin
+for split in (None, 1, 2, 3, 8):
+    tile = {"BLOCK_M": 16, "num_warps": 1, "loop": "flat", **({} if split is None else {"split": split})}
+    dec = attention(q[pos].clone(), k, v, kv.expand(len(pos), L).contiguous(), None, None, None, 1, max_kv_len=L,
+                    seq_lens=torch.tensor(pos) + 1, tile=tile)
+    assert torch.equal(dec, full[pos]), ("flat loop", split)
 rest = attention(q[300:].clone(), k, v, kv, *(torch.tensor([a]) for a in (0, L - 300, 300)), L - 300, max_kv_len=L)
 assert torch.equal(rest, full[300:])
 short = attention(q[-1:].clone(), k, v, kv, None, None, None, 1, max_kv_len=300, seq_lens=torch.tensor([L]))
