@@ -140,7 +140,7 @@ def _rows(b, tile, kvh, Q_START, Q_LEN, Q_POS0, SEQ_LENS, G: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _block(Q, K, V, q, table, kvh, d, pos, last, start, m, l, acc, scale, stride_kt, stride_kh, stride_vt, stride_vh,
+def _block(K, V, q, table, kvh, d, pos, last, start, m, l, acc, scale, stride_kt, stride_kh, stride_vt, stride_vh,
            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     """One block of BLOCK_N keys from absolute position ``start`` folded into a segment's state (m, l, acc)."""
     kpos = start + tl.arange(0, BLOCK_N)
@@ -212,7 +212,7 @@ def _attention_kernel(Q, K, V, O, PART, PART_ML, KV_INDEX, KV_ROWS, Q_START, Q_L
             l = tl.where(fresh, 0.0, l)
             acc = tl.where(fresh, 0.0, acc)
             # a block past ``last`` (a last segment of one block) masks every key: an exact no-op
-            m, l, acc = _block(Q, K, V, q, table, kvh, d, pos, last, j * SEG + (t % BPS) * BLOCK_N, m, l, acc, scale,
+            m, l, acc = _block(K, V, q, table, kvh, d, pos, last, j * SEG + (t % BPS) * BLOCK_N, m, l, acc, scale,
                                stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, DOT_F32)
             end = t % BPS == BPS - 1
             if SPLIT:
@@ -231,7 +231,7 @@ def _attention_kernel(Q, K, V, O, PART, PART_ML, KV_INDEX, KV_ROWS, Q_START, Q_L
             l = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
             for start in range(j * SEG, tl.minimum((j + 1) * SEG, last + 1), BLOCK_N):
-                m, l, acc = _block(Q, K, V, q, table, kvh, d, pos, last, start, m, l, acc, scale, stride_kt, stride_kh,
+                m, l, acc = _block(K, V, q, table, kvh, d, pos, last, start, m, l, acc, scale, stride_kt, stride_kh,
                                    stride_vt, stride_vh, BLOCK_N, DOT_F32)
             if SPLIT:  # state of (segment j, query row, head) at row j * seg_rows + q_row * Hq + head
                 at = j * seg_rows + q_rows * n_heads + head
