@@ -80,6 +80,7 @@ CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much 
 # in flight where the rule stops splitting (two programs per SM), and the rule's own split can leave a
 # last round of programs half-empty; a power of two of the segments often balances them better.
 CHOICE_SPLITS = (1, 2, 4, 8)
+CHOOSER_FORMS = ((2, None), (2, "flat"), (3, "flat"))  # (stages, loop) of the one-warp tiles the choice times
 SPLIT_STATE_BYTES = 512 << 20  # the largest state buffer a split chosen beyond the rule may hold
 
 
@@ -346,9 +347,10 @@ def chooser_tiles(g: int) -> list[dict]:
     """The candidates the start-up choice times besides the fixed tile: the fewest one-warp rows that
     hold a group of ``g``, in 2 or 3 stages, in the nested loop (wider one-warp tiles and 1 stage were
     slower wherever timed: docs/throughput.md)."""
-    cands = [t for t in candidate_tiles(g)[1:] if "loop" not in t]
+    fixed, *cands = candidate_tiles(g)
     bm = min((t["BLOCK_M"] for t in cands), default=None)
-    return [t for t in cands if t["BLOCK_M"] == bm and t["num_stages"] in (2, 3)]
+    one_warp = [t for t in cands if t["BLOCK_M"] == bm and (t["num_stages"], t.get("loop")) in CHOOSER_FORMS]
+    return [dict(fixed, loop="flat"), *one_warp]
 
 
 def decode_variants(hq: int, hkv: int, b: int, max_kv_len: int, fill: int, d: int = 128) -> list[dict | None]:
