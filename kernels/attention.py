@@ -75,7 +75,7 @@ CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much 
 # inner loop of two trips, which leaves a software pipeline nothing to fetch ahead across segments; the
 # flat loop runs every block of the program's segments in one loop, resetting the segment state at a
 # segment's first block and folding (or storing) it at its last: the same blocks, operations and merge order.
-# Candidates for the GPU tier and benchmarks/attention_decode.py; ``chooser_tiles`` leaves them out.
+# Every candidate comes in both loops; the choice times the forms in ``chooser_tiles``.
 # Splits the choice times besides the rule's (``choice_splits``): one-warp tiles leave an SM with few warps
 # in flight where the rule stops splitting (two programs per SM), and the rule's own split can leave a
 # last round of programs half-empty; a power of two of the segments often balances them better.
@@ -344,10 +344,13 @@ def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
 
 
 def chooser_tiles(g: int) -> list[dict]:
-    """The candidates the start-up choice times besides the fixed tile: the fewest one-warp rows that
-    hold a group of ``g``, in 2 or 3 stages, in the nested loop (wider one-warp tiles and 1 stage were
-    slower wherever timed: docs/throughput.md)."""
-    fixed, *cands = candidate_tiles(g)
+    """The candidates the start-up choice times besides the fixed tile: the fixed tile in the flat
+    loop, and the fewest one-warp rows that hold a group of ``g`` in the forms of ``CHOOSER_FORMS``.
+    Neither loop wins everywhere: the flat loop runs the one-warp tile in 3 stages fastest at most
+    batches, the nested loop in 2 stages at some; wider one-warp tiles and 1 stage were slower wherever
+    timed (docs/throughput.md)."""
+    fixed, *rest = candidate_tiles(g)
+    cands = [t for t in rest if t["num_warps"] == 1]
     bm = min((t["BLOCK_M"] for t in cands), default=None)
     one_warp = [t for t in cands if t["BLOCK_M"] == bm and (t["num_stages"], t.get("loop")) in CHOOSER_FORMS]
     return [dict(fixed, loop="flat"), *one_warp]

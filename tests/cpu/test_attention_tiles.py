@@ -21,7 +21,7 @@ def test_candidates_are_the_fixed_tile_then_one_warp_tiles_holding_a_group_then_
     assert {(t["BLOCK_M"], t["num_stages"]) for t in nested[1:]} == {(bm, st) for bm in (16, 32) if bm >= g
                                                                       for st in (1, 2, 3)}
     assert flat == [dict(t, loop="flat") for t in nested]
-    assert all("loop" not in t for t in A.chooser_tiles(g))  # the choice times the nested loop only
+    assert all(t in c for t in A.chooser_tiles(g))
 
 
 def test_a_loop_other_than_flat_is_refused():
@@ -59,9 +59,12 @@ def test_decode_tile_for_takes_the_next_timed_batch_up_and_refuses_a_tile_not_a_
 
 
 @pytest.mark.parametrize("g,bm", [(1, 16), (4, 16), (8, 16), (12, 16), (16, 16), (20, 32), (32, 32), (48, None)])
-def test_the_choice_times_the_fewest_one_warp_rows_holding_the_group_in_two_or_three_stages(g, bm):
+def test_the_choice_times_the_fixed_tile_flat_and_the_fewest_one_warp_rows_nested_in_two_stages_flat_in_two_and_three(
+        g, bm):
     tiles = A.chooser_tiles(g)
-    assert tiles == ([dict(BLOCK_M=bm, num_warps=1, num_stages=st) for st in (2, 3)] if bm else [])
+    one_warp = [dict(BLOCK_M=bm, num_warps=1, num_stages=2), dict(BLOCK_M=bm, num_warps=1, num_stages=2, loop="flat"),
+                dict(BLOCK_M=bm, num_warps=1, num_stages=3, loop="flat")] if bm else []
+    assert tiles == [dict(A.candidate_tiles(g)[0], loop="flat"), *one_warp]
     assert all(t in A.candidate_tiles(g) for t in tiles)
 
 
@@ -76,12 +79,13 @@ def test_decode_variants_are_the_fixed_tile_as_launched_then_candidates_with_the
     assert A.split_rule(b * hkv, 320, 264) == rule
     assert A.choice_splits(8 * hkv, hkv, b, 40960, 264) == splits
     v = A.decode_variants(8 * hkv, hkv, b, 40960, 264)
-    fixed, one_warp = A.candidate_tiles(8)[0], A.chooser_tiles(8)
+    fixed, others = A.candidate_tiles(8)[0], A.chooser_tiles(8)
     more = [s for s in splits if s != rule]
     assert v[0] is None and v[1:] == [dict(fixed, split=s) for s in more] + [
-        x for t in one_warp for x in [t] + [dict(t, split=s) for s in more]]
-    assert A.tile_label(v[0]) == "fixed" and A.tile_label(v[-1]).startswith("16 rows w1 s3")
-    assert A.decode_variants(8 * hkv, hkv, b, 100, 264)[1:] == one_warp  # one segment: nothing to split
+        x for t in others for x in [t] + [dict(t, split=s) for s in more]]
+    assert A.tile_label(v[0]) == "fixed" and A.tile_label(v[-1]).startswith("16 rows w1 s3 flat")
+    assert len(v) == 1 + len(more) + len(others) * (1 + len(more))
+    assert A.decode_variants(8 * hkv, hkv, b, 100, 264)[1:] == others  # one segment: nothing to split
 
 
 @pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (64, 4), (40, 2), (96, 8), (4, 4)])
