@@ -3,10 +3,10 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | prefilltiles | tilechoice | tp2 | pp2 (two GPUs
-#        each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
-#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, prefilltiles and
-#        tilechoice)
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefilltiles | tilechoice |
+#        tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
+#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
+#        prefilltiles and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -276,27 +276,41 @@ case $GROUP in
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-dense.json" ;;
   attnsplits)  # issue 37: the decode attention's choice times more splits (attention.choice_splits: powers of two
     # that keep a program on every SM, where the rule would not split or splits unevenly): every candidate and split
-    # against the fixed tile, bitwise (the flat-loop candidates too), and the choice's own timings per batch; the
-    # candidates against stock's decode, the flat loop's among them; h1536e256k6's tail profile and its
-    # plain and tail cells, a3b48's plain, tail and qwen cells, stock against tpo (resumable, like space); the 48-layer
-    # parity and the h1536 truncation stress
+    # against the fixed tile, bitwise, and the choice's own timings per batch; the 48-layer parity and the h1536
+    # truncation stress
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-attention-splits tests/gpu/test_kernels_gpu.py -k attention_tiles
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --geometries a3b48 h1536e256k6 \
-      --batches 16 64 256 --stages 2 3 --rounds 3 --out "$E/bench-attention-decode-flat.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
-      --workload plain --variants stock tpo --mem 0.85 --make-room --resume \
-      --out "$E/profile-tail-h1536e256k6-splits.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
-      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
-      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-splits.json"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail qwen \
-      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
-      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-splits.json"
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-splits-a3b48-t1.0.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-splits.json" ;;
+  flatloop)  # issue 37: the decode attention's flat loop (a tile's loop="flat": one loop over every block of a
+    # program's segments). Every candidate tile in both loops, split or not, against the fixed tile, bitwise; the
+    # candidates against stock's decode; the start-up choice timing the flat loop (chooser_tiles), its bits and
+    # timings; then in a server: h1536e256k6's tail profile and its plain and tail cells, a3b48's plain, tail and qwen
+    # cells, the 235B-A22B layer shape's plain and tail cells, stock against tpo (resumable, like space); the 48-layer
+    # parity and the h1536 truncation stress
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-attention-flat tests/gpu/test_kernels_gpu.py -k attention_tiles
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_decode.py --geometries a3b48 h1536e256k6 \
+      --batches 16 64 256 --stages 2 3 --rounds 3 --out "$E/bench-attention-decode-flat.json"
+    run tier gpu-tier-attention-flat-choice tests/gpu/test_kernels_gpu.py -k chosen_at_start_up
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry h1536e256k6 --batches 1 4 16 64 \
+      --workload plain --variants stock tpo --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-h1536e256k6-flatloop.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
+      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-flatloop.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail qwen \
+      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-flatloop.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-flatloop-a3b48-t1.0.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a22b_h200 --workload plain tail \
+      --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a22b_h200.json"
+    rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a22b*
+    run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flatloop.json" ;;
   prefilltiles)  # issue 37: the prefill's MoE GEMMs: gate_up and down_flat at prefill token counts over three
     # geometries' MoE shapes, every candidate tile's bits against the reference's; a3b48's op profile at batches 64
     # and 256 with a prefill of 16 requests of 256 tokens (plain's prompt lengths), stock against tpo (resumable)
