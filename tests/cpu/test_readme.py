@@ -1,7 +1,8 @@
 """The README's promises to a user: at most 300 lines, the two set-up commands within its first 40
 (the commands CI runs), code whose imports, attributes and keywords exist in the package, a row
-for every registered contract, and headline numbers that are the numbers in the evidence files
-they link."""
+for every registered contract, headline numbers that are the numbers in the evidence files
+they link, and a throughput grid with a row per benchmark geometry, a column per workload, and
+ratios that are those in its evidence."""
 
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def expected_numbers(doc: dict) -> list[str]:
         return out
     if isinstance(doc.get("results"), dict) and doc.get("engines"):  # one table per workload
         return [f"{r['ratio_vs_fastest_stock']:.2f}x" for w in doc["results"].values() for r in w["rows"]
-                if r["variant"] == "tpo" and r.get("ratio_vs_fastest_stock") is not None]  # None: no stock ran
+                if r["variant"] in ("tpo", "tpo_v1") and r.get("ratio_vs_fastest_stock") is not None]  # None: no stock
     return []
 
 
@@ -179,6 +180,42 @@ def test_a_headline_number_is_the_number_in_its_evidence(row):
     assert links, f"a headline without evidence: {row}"
     for link in links:
         for number in expected_numbers(json.loads((ROOT / link).read_text())):
+            assert number in row, f"{link} says {number}; the README row says: {row}"
+
+
+THROUGHPUT_COLUMNS = ["geometry", "plain", "tail (RL-like lengths)", "qwen (Qwen3's top_k/top_p)", "long", "evidence"]
+
+
+def test_the_throughput_grid_has_every_workload_and_every_geometry_the_benchmark_spans():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import geometries
+        import workloads
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = section("Throughput")
+    header = next(line for line in text.splitlines() if line.startswith("| "))
+    assert [c.strip() for c in header.strip("|").split("|")] == THROUGHPUT_COLUMNS
+    assert sorted(c.split(" ")[0] for c in THROUGHPUT_COLUMNS[1:5]) == sorted(workloads.WORKLOADS)
+    named = {"a3b48": "30B-A3B, 48 layers", "a22b_h200": "235B-A22B", "a35b_h200": "Coder-480B-A35B"}
+    rows = table_rows(text)
+    for g in geometries.SPACE:
+        assert any(named.get(g, g) in r.split(" | ")[0] for r in rows), f"no row for {g}"
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert len(cells) == len(THROUGHPUT_COLUMNS), r
+        assert all(re.fullmatch(r"\d\.\d\dx.*|–", c) for c in cells[1:5]), f"a cell is a ratio or –: {r}"
+        assert re.findall(r"\]\((evidence/[^)\s]+)\)", r) or cells[-1] == "not run", r
+
+
+@pytest.mark.parametrize("row", table_rows(section("Throughput")), ids=lambda r: r.split(" | ")[0][2:40])
+def test_a_throughput_ratio_is_the_ratio_in_its_evidence(row):
+    for link in re.findall(r"\]\((evidence/[^)\s]+)\)", row):
+        numbers = expected_numbers(json.loads((ROOT / link).read_text()))
+        assert numbers, f"{link} holds no ratio"
+        for number in numbers:
             assert number in row, f"{link} says {number}; the README row says: {row}"
 
 
