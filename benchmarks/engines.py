@@ -20,7 +20,8 @@ and ``tpo_tiles`` names the choice explicitly; ``tpo`` runs the QK-norm inside t
 default), ``tpo_qknr`` names it explicitly (``TRUE_ON_POLICY_QK_NORM_ROPE=fused``) and ``tpo_qksep``
 runs the norm in launches of its own (``separate``); ``tpo`` runs the MoE's silu(gate) * up in a launch of its own
 (the default), ``tpo_silusep`` names it explicitly (``TRUE_ON_POLICY_MOE_SILU=separate``) and ``tpo_siluup``
-has the gate/up GEMM store it at decode (``up``). ``TPO_ENV`` holds them: the same bits, speed only.
+has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill attention's flat loop
+(``TRUE_ON_POLICY_PREFILL_LOOP=flat``). ``TPO_ENV`` holds them: the same bits, speed only.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant'
            "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"},
            "tpo_qksep": {"TRUE_ON_POLICY_QK_NORM_ROPE": "separate"},
            "tpo_silusep": {"TRUE_ON_POLICY_MOE_SILU": "separate"},
-           "tpo_siluup": {"TRUE_ON_POLICY_MOE_SILU": "up"}}
+           "tpo_siluup": {"TRUE_ON_POLICY_MOE_SILU": "up"},
+           "tpo_pflat": {"TRUE_ON_POLICY_PREFILL_LOOP": "flat"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

@@ -71,7 +71,7 @@ ONE_WARP_STAGES = (1, 2, 3)
 # Every candidate gives the fixed tile's bits, so the choice is speed only.
 _DECODE_TILES: dict[tuple[int, int, int], tuple[tuple[int, dict | None], ...]] = {}
 CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much faster (timing noise)
-# The decode form's flat loop (a tile's ``loop="flat"``): the nested loop runs a segment's two blocks as an
+# The flat loop (a tile's ``loop="flat"``, both forms): the nested loop runs a segment's two blocks as an
 # inner loop of two trips, which leaves a software pipeline nothing to fetch ahead across segments; the
 # flat loop runs every block of the program's segments in one loop, resetting the segment state at a
 # segment's first block and folding (or storing) it at its last: the same blocks, operations and merge order.
@@ -81,6 +81,10 @@ CHOICE_MARGIN = 0.03  # a candidate replaces the fixed tile only when this much 
 # last round of programs half-empty; a power of two of the segments often balances them better.
 CHOICE_SPLITS = (1, 2, 4, 8)
 CHOOSER_FORMS = ((2, None), (2, "flat"), (3, "flat"))  # (stages, loop) of the one-warp tiles the choice times
+# The prefill form's loop (``set_prefill_loop``; the patches set it from TRUE_ON_POLICY_PREFILL_LOOP): "nested"
+# (the default) or "flat", the fixed tile either way. Speed only: both give the same bits.
+PREFILL_LOOPS = ("nested", "flat")
+_PREFILL_TILE: dict = {}
 SPLIT_STATE_BYTES = 512 << 20  # the largest state buffer a split chosen beyond the rule may hold
 
 
@@ -293,7 +297,7 @@ def _check_layout(hq: int, hkv: int, d: int) -> None:
 def candidate_tiles(g: int) -> list[dict]:
     """The candidate launch tiles for head groups of ``g``: the fixed tile (64 rows, 4 warps, 3 stages)
     first, then one-warp tiles of 16 or 32 rows holding a group, in 1, 2 or 3 stages; then each of those
-    in the flat loop (``loop="flat"``, the decode form's blocks in one loop: ``FLAT_LOOP``)."""
+    in the flat loop (``loop="flat"``, a program's blocks in one loop: ``FLAT_LOOP``)."""
     fixed = dict(BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES["decode"])
     nested = [fixed] + [dict(BLOCK_M=bm, num_warps=1, num_stages=st) for bm in ONE_WARP_BM if bm >= g
                         for st in ONE_WARP_STAGES]
@@ -332,6 +336,19 @@ def set_decode_tiles(hq: int, hkv: int, d: int, choice: dict[int, dict | None]) 
 
 def clear_decode_tiles() -> None:
     _DECODE_TILES.clear()
+
+
+def set_prefill_loop(loop: str) -> None:
+    """The loop the prefill form runs without a ``tile``: "nested" or "flat" (``PREFILL_LOOPS``)."""
+    if loop not in PREFILL_LOOPS:
+        raise KernelLimitError(f"attention: prefill loop {loop!r} is not one of {PREFILL_LOOPS}")
+    _PREFILL_TILE.clear()
+    if loop == "flat":
+        _PREFILL_TILE["loop"] = "flat"
+
+
+def prefill_loop() -> str:
+    return _PREFILL_TILE.get("loop", "nested")
 
 
 def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
@@ -529,7 +546,8 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     ``split``, the programs that share a sequence's segments (needs ``max_kv_len``; clipped to its
     segments), instead of the fixed tile and the split rule: for the GPU tier and the benchmarks, which
     prove and time candidates. Without it the decode form takes the tile ``choose_decode_tiles``
-    installed for this head layout and batch, if any (the same bits as the fixed tile)."""
+    installed for this head layout and batch, if any, and the prefill form the fixed tile in the loop of
+    ``set_prefill_loop`` (the same bits as the fixed tile, either way)."""
     tq, hq, d = q.shape
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
@@ -540,6 +558,8 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     decode = seq_lens is not None
     if decode and not tile and _DECODE_TILES:
         tile = decode_tile_for(q.shape[1], k_buf.shape[1], d, seq_lens.shape[0])
+    if not decode and not tile:
+        tile = _PREFILL_TILE
     tile = tile or {}
     if tile:
         _check_tile(tile, hq // hkv)
@@ -576,7 +596,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
         n_split, nseg_max, tq * hq, hq, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), out.stride(0), out.stride(1), kv_index.stride(0), G=g, D=d, BLOCK_M=bm,
         BLOCK_N=BLOCK_N, SEG=SEG, HAS_ROWS=kv_rows is not None, DECODE=decode, SPLIT=split, DOT_F32=INTERPRETED,
-        FLAT_LOOP=decode and tile.get("loop") == "flat",
+        FLAT_LOOP=tile.get("loop") == "flat",
         num_warps=tile.get("num_warps", NUM_WARPS),
         num_stages=tile.get("num_stages", NUM_STAGES["decode" if decode else "extend"]))
     if split:

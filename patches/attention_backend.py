@@ -13,11 +13,20 @@ cache on CUDA: patches/rope.py), else SGLang's own ``_set_kv_buffer`` here.
 
 from __future__ import annotations
 
+from true_on_policy import env
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, replacing, wrap
+from true_on_policy.patching import PatchError, env_choice, replacing, wrap
 
 EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._forward_extend_unified"
 DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_decode"
+PREFILL_LOOPS = ("nested", "flat")
+
+
+def prefill_loop_mode() -> str:
+    """TRUE_ON_POLICY_PREFILL_LOOP: "nested" (also when unset) or "flat"; anything else is refused."""
+    return env_choice(env.PREFILL_LOOP, "nested", PREFILL_LOOPS,
+                      "unset it or set it to 'nested' (the prefill attention's nested loop, the default) or 'flat' "
+                      "(its blocks in one loop)")
 
 
 def _check(backend, layer, causal=True, soft_cap=0.0, sinks=None, score_mod=None, extra=None):
@@ -103,6 +112,12 @@ def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=No
 
 
 def apply(policy) -> PatchRecord:
+    loop = prefill_loop_mode()  # a bad value is refused as the patches install
+    from true_on_policy.kernels import attention
+
+    attention.set_prefill_loop(loop)
     reps = [wrap(EXTEND, replacing(tpo_extend)), wrap(DECODE, replacing(tpo_decode))]
     return PatchRecord.of("attention_backend", reps,
-                          ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows"])
+                          ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows; the prefill "
+                           + ("in the flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat)" if loop == "flat"
+                              else "in the nested loop")])

@@ -52,6 +52,14 @@ DECODE_TILES = EnvVar(
     "Speed only: no bit depends on it",
 )
 
+PREFILL_LOOP = EnvVar(
+    "TRUE_ON_POLICY_PREFILL_LOOP",
+    "'nested' or unset runs the prefill attention's fixed tile in its nested loop (a segment's blocks inside the loop "
+    "over segments); 'flat' runs the same blocks in one loop (kernels.attention.set_prefill_loop), so a software "
+    "pipeline fetches across segments; any other value is refused when the patches install. Speed only: the same "
+    "bits (tests/gpu/test_kernels_gpu.py checks them)",
+)
+
 QK_NORM_ROPE = EnvVar(
     "TRUE_ON_POLICY_QK_NORM_ROPE",
     "'fused' or unset runs each attention layer's QK-norm inside its RoPE launch (kernels.rope.apply_rope_qk with "

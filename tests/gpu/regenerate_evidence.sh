@@ -3,10 +3,11 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefilltiles | tilechoice |
-#        tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput, default, pgpreview, space, tailprofile,
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefilltiles |
+#        tilechoice | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefilltiles and tilechoice)
+#        prefillflat, prefilltiles and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -311,6 +312,17 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a22b_h200.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a22b*
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flatloop.json" ;;
+  prefillflat)  # issue 37: the prefill attention's flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat, opt-in): its bits
+    # against the nested loop over mixed prefills and chunks at six head layouts (and every candidate tile's); its
+    # time against the nested loop and stock SGLang's extend kernel at plain's prefill and longer ones; h1536e256k6's
+    # plain and tail cells, stock, tpo and tpo_pflat alternated (resumable, like space)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-attention-prefill-flat tests/gpu/test_kernels_gpu.py -k "prefill_flat_loop or tiles_equal_prefill"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_prefill.py --geometries a3b48 h1536e256k6 a22b_h200 \
+      --out "$E/bench-attention-prefill-flat.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
+      --variants stock tpo tpo_pflat --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-pflat.json" ;;
   prefilltiles)  # issue 37: the prefill's MoE GEMMs: gate_up and down_flat at prefill token counts over three
     # geometries' MoE shapes, every candidate tile's bits against the reference's; a3b48's op profile at batches 64
     # and 256 with a prefill of 16 requests of 256 tokens (plain's prompt lengths), stock against tpo (resumable)

@@ -274,6 +274,50 @@ def test_attention_tiles_equal_prefill(hq, hkv, gpu_evidence):
     assert not differ, f"{len(differ)} of {len(outcomes)} candidate tiles differ from the fixed tile: {differ}"
 
 
+@pytest.mark.parametrize("hq,hkv", TILE_HEADS)
+def test_attention_prefill_flat_loop_keeps_the_bits(hq, hkv, gpu_evidence):
+    """The prefill form in the flat loop (``set_prefill_loop("flat")``, as TRUE_ON_POLICY_PREFILL_LOOP=flat
+    installs it, and each candidate tile with loop="flat") == the nested loop, bitwise: a batch of fresh
+    prompts and chunks after cached prefixes of mixed lengths (1 to 4,200 keys, across blocks and segments)
+    read through req_to_token rows of a paged pool, and one long prefill the split rule splits."""
+    import true_on_policy.kernels.attention as A
+
+    g, d, pool = _gen(hq * 11 + hkv), 128, 20_000
+    kb, vb = _randn(g, pool, hkv, d), _randn(g, pool, hkv, d)
+    pre = torch.tensor([0, 0, 1, 63, 128, 300, 1000, 0, 4000], device="cuda", dtype=torch.int32)
+    new = torch.tensor([1, 200, 64, 65, 129, 700, 24, 4200, 200], device="cuda", dtype=torch.int32)
+    starts = torch.cumsum(new, 0, dtype=torch.int32) - new
+    tq, n = int(new.sum()), len(new)
+    q = _randn(g, tq, hq, d)
+    width = 8192
+    table = torch.randint(0, pool, (n + 3, width), device="cuda", generator=g, dtype=torch.int32)
+    rows = torch.randperm(n + 3, device="cuda", generator=g)[:n]  # int64, as SGLang's req_pool_indices
+    mq = int(new.max())
+
+    def run(tile=None, **kw):
+        return attention(q, kb, vb, table, starts, new, pre, mq, kv_rows=rows, max_kv_len=width, tile=tile, **kw)
+
+    nested = run()
+    checked = []
+    try:
+        A.set_prefill_loop("flat")
+        _same(run(), nested, f"{hq}/{hkv} prefill, set_prefill_loop('flat')")
+    finally:
+        A.set_prefill_loop("nested")
+    for tile in A.candidate_tiles(hq // hkv):
+        if tile.get("loop") == "flat":
+            base = {k: v for k, v in tile.items() if k != "loop"}
+            _same(run(tile), run(base), f"{hq}/{hkv} prefill {A.tile_label(tile)}")
+            checked.append(A.tile_label(tile))
+    one_q = q[:4200].clone()  # one long prompt alone: few programs, so the split rule splits its segments
+    lone = [torch.tensor([a], device="cuda", dtype=torch.int32) for a in (0, 4200, 0)]
+    long_nested = attention(one_q, kb, vb, table, *lone, 4200, kv_rows=rows[7:8], max_kv_len=width)
+    long_flat = attention(one_q, kb, vb, table, *lone, 4200, kv_rows=rows[7:8], max_kv_len=width, tile={"loop": "flat"})
+    _same(long_flat, long_nested, f"{hq}/{hkv} one 4,200-token prefill, flat")
+    gpu_evidence.append({"test": f"attention_prefill_flat_{hq}q{hkv}kv", "prefix_lens": pre.tolist(),
+                         "new_lens": new.tolist(), "flat_tiles": checked, "bitwise": True})
+
+
 @pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (40, 2), (96, 8)])
 def test_attention_tiles_chosen_at_start_up_keep_the_bits(hq, hkv, gpu_evidence):
     """``choose_decode_tiles`` as the decode capture runs it (powers of two up to 256 over a paged

@@ -1,6 +1,9 @@
 """Interpreted: attention through an index table (paged == contiguous, decode == prefill ==
 chunked prefill, across 64-key block and 128-key segment boundaries; split-KV == one program;
-the decode form), RoPE apply invariance, q and k in one launch with the K/V write and the QK-norm."""
+the decode form; the flat loop in both forms), RoPE apply invariance, q and k in one launch with
+the K/V write and the QK-norm."""
+import sys
+
 import torch
 from true_on_policy.kernels.attention import attention, attention_reference, contiguous_layout
 from true_on_policy.kernels.rmsnorm import rmsnorm_heads
@@ -92,6 +95,27 @@ for split in (None, 1, 2, 3, 8):
     assert torch.equal(dec, full[pos]), ("flat loop", split)
 rest = attention(q[300:].clone(), k, v, kv, *(torch.tensor([a]) for a in (0, L - 300, 300)), L - 300, max_kv_len=L)
 assert torch.equal(rest, full[300:])
+# the prefill form in the flat loop: a whole prefill, a chunk after a cached prefix (unsplit and split over 1, 2 or 3
+# programs), two ragged sequences, in the fixed tile and a one-warp tile, and as set_prefill_loop installs it
+flat_tiles = ({"loop": "flat"}, {"BLOCK_M": 16, "num_warps": 1, "num_stages": 2, "loop": "flat"})
+for tile in flat_tiles:
+    assert torch.equal(attention(q, k, v, kv, st, ln, p0, L, tile=tile), full), ("flat prefill", tile)
+    for split in (None, 1, 2, 3):
+        t = dict(tile, **({} if split is None else {"split": split}))
+        chunk = attention(q[300:].clone(), k, v, kv, *(torch.tensor([a]) for a in (0, L - 300, 300)), L - 300,
+                          max_kv_len=L, tile=t)
+        assert torch.equal(chunk, full[300:]), ("flat chunk", t)
+    q2 = torch.cat([q[:200], q])
+    two = attention(q2, k, v, torch.stack([kv[0], kv[0]]), torch.tensor([0, 200]), torch.tensor([200, L]),
+                    torch.tensor([0, 0]), L, tile=tile)
+    assert torch.equal(two[:200], full[:200]) and torch.equal(two[200:], full), ("flat ragged", tile)
+attention_module = sys.modules["true_on_policy.kernels.attention"]
+attention_module.set_prefill_loop("flat")
+try:
+    assert attention_module.prefill_loop() == "flat"
+    assert torch.equal(attention(q, k, v, kv, st, ln, p0, L), full)
+finally:
+    attention_module.set_prefill_loop("nested")
 short = attention(q[-1:].clone(), k, v, kv, None, None, None, 1, max_kv_len=300, seq_lens=torch.tensor([L]))
 assert short.isnan().all(), "a sequence longer than max_kv_len must come out NaN"
 try:
