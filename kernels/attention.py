@@ -348,6 +348,7 @@ def set_prefill_loop(loop: str) -> None:
 
 
 def prefill_loop() -> str:
+    """The loop the prefill form runs without a ``tile`` ("nested" or "flat")."""
     return _PREFILL_TILE.get("loop", "nested")
 
 

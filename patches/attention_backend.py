@@ -19,11 +19,12 @@ from true_on_policy.patching import PatchError, env_choice, replacing, wrap
 
 EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._forward_extend_unified"
 DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_decode"
-PREFILL_LOOPS = ("nested", "flat")
 
 
 def prefill_loop_mode() -> str:
     """TRUE_ON_POLICY_PREFILL_LOOP: "nested" (also when unset) or "flat"; anything else is refused."""
+    from true_on_policy.kernels.attention import PREFILL_LOOPS
+
     return env_choice(env.PREFILL_LOOP, "nested", PREFILL_LOOPS,
                       "unset it or set it to 'nested' (the prefill attention's nested loop, the default) or 'flat' "
                       "(its blocks in one loop)")
