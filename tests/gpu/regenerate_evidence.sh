@@ -312,14 +312,17 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a22b_h200.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a22b*
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flatloop.json" ;;
-  prefillflat)  # issue 37: the prefill attention's flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat, opt-in): its bits
-    # against the nested loop over mixed prefills and chunks at six head layouts (and every candidate tile's); its
-    # time against the nested loop and stock SGLang's extend kernel at plain's prefill and longer ones; h1536e256k6's
-    # plain and tail cells, stock, tpo and tpo_pflat alternated (resumable, like space)
+  prefillflat)  # issue 37: the prefill attention's flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat, opt-in): every
+    # candidate tile's bits in it against the nested loop over mixed prefills and chunks at six head layouts; its
+    # time against the nested loop and stock SGLang's extend kernel at plain's prefill and longer ones, the fixed
+    # tile and then every candidate; h1536e256k6's plain and tail cells, stock, tpo and tpo_pflat alternated
+    # (resumable, like space)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    run tier gpu-tier-attention-prefill-flat tests/gpu/test_kernels_gpu.py -k "prefill_flat_loop or tiles_equal_prefill"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_prefill.py --geometries a3b48 h1536e256k6 a22b_h200 \
-      --out "$E/bench-attention-prefill-flat.json"
+    run tier gpu-tier-attention-prefill-flat tests/gpu/test_kernels_gpu.py -k prefill_flat_loop
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_prefill.py --geometries a3b48 h1536e256k6 \
+      --rounds 3 --out "$E/bench-attention-prefill-flat.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/attention_prefill.py --geometries h1536e256k6 a3b48 \
+      --tiles all --rounds 3 --out "$E/bench-attention-prefill-tiles.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
       --variants stock tpo tpo_pflat --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-pflat.json" ;;
