@@ -21,7 +21,8 @@ default), ``tpo_qknr`` names it explicitly (``TRUE_ON_POLICY_QK_NORM_ROPE=fused`
 runs the norm in launches of its own (``separate``); ``tpo`` runs the MoE's silu(gate) * up in a launch of its own
 (the default), ``tpo_silusep`` names it explicitly (``TRUE_ON_POLICY_MOE_SILU=separate``) and ``tpo_siluup``
 has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill attention's flat loop
-(``TRUE_ON_POLICY_PREFILL_LOOP=flat``). ``TPO_ENV`` holds them: the same bits, speed only.
+(``TRUE_ON_POLICY_PREFILL_LOOP=flat``) and ``tpo_pchoose`` the prefill tile timed at start-up (``choose``).
+``TPO_ENV`` holds them: the same bits, speed only.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant'
            "tpo_qksep": {"TRUE_ON_POLICY_QK_NORM_ROPE": "separate"},
            "tpo_silusep": {"TRUE_ON_POLICY_MOE_SILU": "separate"},
            "tpo_siluup": {"TRUE_ON_POLICY_MOE_SILU": "up"},
-           "tpo_pflat": {"TRUE_ON_POLICY_PREFILL_LOOP": "flat"}}
+           "tpo_pflat": {"TRUE_ON_POLICY_PREFILL_LOOP": "flat"},
+           "tpo_pchoose": {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

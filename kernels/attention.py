@@ -85,6 +85,14 @@ CHOOSER_FORMS = ((2, None), (2, "flat"), (3, "flat"))  # (stages, loop) of the o
 # (the default) or "flat", the fixed tile either way. Speed only: both give the same bits.
 PREFILL_LOOPS = ("nested", "flat")
 _PREFILL_TILE: dict = {}
+# The prefill tile chosen once at start-up (``choose_prefill_tile``; the patches run it before the decode CUDA
+# graphs are captured when TRUE_ON_POLICY_PREFILL_LOOP=choose), per (Hq, Hkv, D) on this rank, among
+# ``prefill_candidates``: the fixed tile in the prefill's 1 stage and in the decode form's 3, each in both loops.
+# Stages change no bit, and on the GPU each of these gives the nested loop's bits in the prefill form
+# (test_attention_tiles_equal_prefill, test_attention_prefill_flat_loop_keeps_the_bits): speed only. The
+# one-warp tiles are left out: 1.58x stock's extend kernel or slower wherever timed in the prefill form.
+_PREFILL_TILES: dict[tuple[int, int, int], dict | None] = {}
+PREFILL_CHOICE_SHAPES = ((4, 1024), (1, 4096))  # (sequences, new tokens each) the choice times: a 4,096-token chunk
 SPLIT_STATE_BYTES = 512 << 20  # the largest state buffer a split chosen beyond the rule may hold
 
 
@@ -352,6 +360,33 @@ def prefill_loop() -> str:
     return _PREFILL_TILE.get("loop", "nested")
 
 
+def prefill_candidates() -> list[dict]:
+    """The tiles the prefill choice times, as ``attention(tile=...)`` takes them: the prefill's default (the
+    fixed tile, 1 stage, nested loop) first, then the fixed tile in the decode form's 3 stages, then each of
+    those in the flat loop."""
+    nested = [dict(BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES[form]) for form in ("extend", "decode")]
+    return nested + [dict(t, loop="flat") for t in nested]
+
+
+def set_prefill_tile(hq: int, hkv: int, d: int, tile: dict | None) -> None:
+    """Install the prefill tile of a head layout: one of ``prefill_candidates``, or None for the loop
+    ``set_prefill_loop`` sets."""
+    if tile is not None and tile not in prefill_candidates():
+        raise KernelLimitError(f"attention: prefill tile {tile} is not a candidate ({prefill_candidates()})")
+    _PREFILL_TILES[(hq, hkv, d)] = None if tile is None else dict(tile)
+
+
+def prefill_tile_for(hq: int, hkv: int, d: int) -> dict:
+    """The launch tile of the prefill form for this head layout without a ``tile`` argument: the one
+    ``choose_prefill_tile`` installed, else the fixed tile in the loop of ``set_prefill_loop`` ({} for the
+    nested loop)."""
+    return _PREFILL_TILES.get((hq, hkv, d)) or _PREFILL_TILE
+
+
+def clear_prefill_tiles() -> None:
+    _PREFILL_TILES.clear()
+
+
 def pick_tile(times: dict, margin: float = CHOICE_MARGIN):
     """From {tile key: seconds} with the fixed tile under None: the fastest candidate when it beats
     the fixed tile by more than ``margin``, else None."""
@@ -417,36 +452,27 @@ def tile_label(tile: dict | None) -> str:
     return name + (" flat" if tile.get("loop") == "flat" else "") + (f" split {tile['split']}" if "split" in tile else "")
 
 
-def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
-    """Median ms of one CUDA-graph replay of ``reps`` decode calls per tile of ``tiles`` (None: the
-    fixed tile) for ``b`` sequences of ``context`` keys at random rows of the pool, the tiles
-    alternated over ``rounds``. Graphs, as the server replays decode: timing eager calls would time
-    the host's launches, not the kernels, at small batches."""
+def _time_graphs(calls, device, rounds: int, reps: int) -> list[float]:
+    """Median ms of one CUDA-graph replay of ``reps`` calls of each of ``calls``, every call compiled and
+    warmed on a side stream before its capture, the graphs (one shared pool, as SGLang's share one)
+    alternated over ``rounds`` rounds after a warm-up round. Graphs, as the server replays them: timing
+    eager calls would time the host's launches, not the kernels, at small sizes."""
     import statistics
 
-    ctx = max(1, min(context, max_kv_len))
-    table = torch.randint(0, k_buf.shape[0], (b, ctx), device=k_buf.device, generator=gen, dtype=torch.int32)
-    q = torch.randn(b, hq, d, device=k_buf.device, generator=gen).to(k_buf.dtype)
-    lens = torch.full((b,), ctx, dtype=torch.int32, device=k_buf.device)
-    out = torch.empty_like(q)
-    fixed = candidate_tiles(hq // k_buf.shape[1])[0]
     graphs = []
     pool = torch.cuda.graph_pool_handle()  # shared, as SGLang's graphs share one: replayed one at a time
-    side = torch.cuda.Stream(device=k_buf.device)
-    side.wait_stream(torch.cuda.current_stream(k_buf.device))
-    for tile in tiles:
-        def call(tile=tile):
-            attention(q, k_buf, v_buf, table, None, None, None, 1, max_kv_len=max_kv_len, seq_lens=lens, out=out,
-                      tile=tile or fixed)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    for call in calls:
         with torch.cuda.stream(side):  # compile and warm outside the capture
             call()
-        torch.cuda.current_stream(k_buf.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             for _ in range(reps):
                 call()
         graphs.append(graph)
-    order = list(range(len(tiles)))
+    order = list(range(len(calls)))
     times: list[list[float]] = [[] for _ in order]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds + 1):  # round 0 warms the graphs
@@ -459,6 +485,39 @@ def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, rep
                 times[i].append(start.elapsed_time(end))
     del graphs
     return [statistics.median(t) for t in times]
+
+
+def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
+    """Median ms of one CUDA-graph replay of ``reps`` decode calls per tile of ``tiles`` (None: the
+    fixed tile) for ``b`` sequences of ``context`` keys at random rows of the pool (``_time_graphs``)."""
+    ctx = max(1, min(context, max_kv_len))
+    table = torch.randint(0, k_buf.shape[0], (b, ctx), device=k_buf.device, generator=gen, dtype=torch.int32)
+    q = torch.randn(b, hq, d, device=k_buf.device, generator=gen).to(k_buf.dtype)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=k_buf.device)
+    out = torch.empty_like(q)
+    fixed = candidate_tiles(hq // k_buf.shape[1])[0]
+
+    def call(tile):
+        return lambda: attention(q, k_buf, v_buf, table, None, None, None, 1, max_kv_len=max_kv_len, seq_lens=lens,
+                                 out=out, tile=tile or fixed)
+    return _time_graphs([call(t) for t in tiles], k_buf.device, rounds, reps)
+
+
+def _time_prefill(hq, d, b, new, tiles, k_buf, v_buf, max_kv_len, rounds, reps, gen) -> list[float]:
+    """Median ms of one CUDA-graph replay of ``reps`` prefill calls per tile of ``tiles``: ``b`` fresh
+    sequences of ``new`` tokens each, causal, their keys at random rows of the pool (``_time_graphs``)."""
+    dev, i32 = k_buf.device, torch.int32
+    table = torch.randint(0, k_buf.shape[0], (b, new), device=dev, generator=gen, dtype=i32)
+    q = torch.randn(b * new, hq, d, device=dev, generator=gen).to(k_buf.dtype)
+    starts = torch.arange(b, device=dev, dtype=i32) * new
+    lens = torch.full((b,), new, device=dev, dtype=i32)
+    pos0 = torch.zeros(b, device=dev, dtype=i32)
+    out = torch.empty_like(q)
+
+    def call(tile):
+        return lambda: attention(q, k_buf, v_buf, table, starts, lens, pos0, new, max_kv_len=max_kv_len, out=out,
+                                 tile=tile)
+    return _time_graphs([call(t) for t in tiles], dev, rounds, reps)
 
 
 def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv_len: int, context: int = 1024,
@@ -483,6 +542,30 @@ def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv
         choice[b] = None if best is None else variants[best]
     set_decode_tiles(hq, hkv, d, choice)
     return choice
+
+
+def choose_prefill_tile(hq: int, hkv: int, d: int, k_buf, v_buf, max_kv_len: int,
+                        shapes=PREFILL_CHOICE_SHAPES, rounds: int = 3, reps: int = 3,
+                        times_out: dict | None = None) -> dict | None:
+    """Time ``prefill_candidates`` in the prefill form at each (sequences, new tokens) of ``shapes``, keys at
+    random rows of ``k_buf``/``v_buf`` [S, Hkv, D] (the server's KV pool) with ``max_kv_len`` as the server
+    passes it, alternating them over ``rounds`` rounds; install and return the fastest over the shapes
+    together (``pick_tile`` against the first, the prefill's default: None when it stays). Every candidate
+    gives the default's bits: this decides speed only. ``times_out`` (optional) receives {"B:NEW": {
+    ``tile_label``: median ms of a graph of ``reps`` calls}}. CUDA only; call it outside CUDA-graph capture."""
+    _check_layout(hq, hkv, d)
+    gen = torch.Generator(device=k_buf.device).manual_seed(0)
+    cands = prefill_candidates()
+    total = [0.0] * len(cands)
+    for b, new in shapes:
+        med = _time_prefill(hq, d, b, new, cands, k_buf, v_buf, max_kv_len, rounds, reps, gen)
+        total = [a + m for a, m in zip(total, med, strict=True)]
+        if times_out is not None:
+            times_out[f"{b}:{new}"] = {tile_label(t): m for t, m in zip(cands, med, strict=True)}
+    best = pick_tile({None: total[0], **{i: t for i, t in enumerate(total) if i}})
+    tile = None if best is None else cands[best]
+    set_prefill_tile(hq, hkv, d, tile)
+    return tile
 
 
 def _check_tile(tile: dict, g: int) -> None:
@@ -547,8 +630,9 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     ``split``, the programs that share a sequence's segments (needs ``max_kv_len``; clipped to its
     segments), instead of the fixed tile and the split rule: for the GPU tier and the benchmarks, which
     prove and time candidates. Without it the decode form takes the tile ``choose_decode_tiles``
-    installed for this head layout and batch, if any, and the prefill form the fixed tile in the loop of
-    ``set_prefill_loop`` (the same bits as the fixed tile, either way)."""
+    installed for this head layout and batch, if any, and the prefill form the tile ``choose_prefill_tile``
+    installed for this head layout, else the fixed tile in the loop of ``set_prefill_loop`` (the same bits as
+    the fixed tile, every way)."""
     tq, hq, d = q.shape
     _check_layout(hq, k_buf.shape[1], d)
     hkv = k_buf.shape[1]
@@ -560,7 +644,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     if decode and not tile and _DECODE_TILES:
         tile = decode_tile_for(q.shape[1], k_buf.shape[1], d, seq_lens.shape[0])
     if not decode and not tile:
-        tile = _PREFILL_TILE
+        tile = prefill_tile_for(hq, k_buf.shape[1], d)
     tile = tile or {}
     if tile:
         _check_tile(tile, hq // hkv)

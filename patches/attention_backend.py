@@ -22,12 +22,14 @@ DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_d
 
 
 def prefill_loop_mode() -> str:
-    """TRUE_ON_POLICY_PREFILL_LOOP: "nested" (also when unset) or "flat"; anything else is refused."""
+    """TRUE_ON_POLICY_PREFILL_LOOP: "nested" (also when unset), "flat" or "choose" (the prefill tile timed at
+    start-up: patches/cuda_graph.py); anything else is refused."""
     from true_on_policy.kernels.attention import PREFILL_LOOPS
 
-    return env_choice(env.PREFILL_LOOP, "nested", PREFILL_LOOPS,
-                      "unset it or set it to 'nested' (the prefill attention's nested loop, the default) or 'flat' "
-                      "(its blocks in one loop)")
+    return env_choice(env.PREFILL_LOOP, "nested", (*PREFILL_LOOPS, "choose"),
+                      "unset it or set it to 'nested' (the prefill attention's nested loop, the default), 'flat' "
+                      "(its blocks in one loop) or 'choose' (the fastest of the prefill's candidate tiles, timed at "
+                      "start-up)")
 
 
 def _check(backend, layer, causal=True, soft_cap=0.0, sinks=None, score_mod=None, extra=None):
@@ -116,9 +118,11 @@ def apply(policy) -> PatchRecord:
     loop = prefill_loop_mode()  # a bad value is refused as the patches install
     from true_on_policy.kernels import attention
 
-    attention.set_prefill_loop(loop)
+    attention.set_prefill_loop("nested" if loop == "choose" else loop)
+    attention.clear_prefill_tiles()
     reps = [wrap(EXTEND, replacing(tpo_extend)), wrap(DECODE, replacing(tpo_decode))]
+    how = {"flat": "in the flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat)", "nested": "in the nested loop",
+           "choose": "in the tile timed at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose; the nested loop until then)"}
     return PatchRecord.of("attention_backend", reps,
                           ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows; the prefill "
-                           + ("in the flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat)" if loop == "flat"
-                              else "in the nested loop")])
+                           + how[loop]])

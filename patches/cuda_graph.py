@@ -8,7 +8,10 @@ the decode batch sizes and, where the contract turns prefill graphs on (the pref
 preview contracts; v1 and flat force them off, so their prefill capture never runs), the
 prefill token counts. Unless TRUE_ON_POLICY_DECODE_TILES=fixed, the decode runner's capture first
 times the decode attention's candidate tiles for each batch (``choose_decode_tiles``; every
-candidate gives the fixed tile's bits) and the manifest records the choice. Replay pads a batch up
+candidate gives the fixed tile's bits) and the manifest records the choice; with
+TRUE_ON_POLICY_PREFILL_LOOP=choose it also times the prefill attention's candidate tiles
+(``choose_prefill_tiles``; the same bits too) before the first capture of either runner, so a
+server without CUDA graphs keeps the prefill's default tile. Replay pads a batch up
 to the next captured size; every kernel is row-independent, so the padded rows change no bit of
 the real ones (decode: checked on the GPU, eager == graph; prefill: parity at 6 layers under both
 prefill-graph previews).
@@ -50,6 +53,10 @@ def _make_capture(original, target=CAPTURE):
             t0 = time.perf_counter()
             CAPTURED["decode_tiles"] = choose_decode_tiles(self.model_runner, CAPTURED[key])
             CAPTURED["decode_tiles_s"] = round(time.perf_counter() - t0, 3)  # what the choice adds to start-up
+        if prefill_loop_mode() == "choose" and "prefill_tiles" not in CAPTURED:  # before the first capture of either
+            t0 = time.perf_counter()
+            CAPTURED["prefill_tiles"] = choose_prefill_tiles(self.model_runner)
+            CAPTURED["prefill_tiles_s"] = round(time.perf_counter() - t0, 3)
         result = original(self, *args, **kwargs)
         CAPTURED["captured"] = True
         if target == PREFILL_CAPTURE:
@@ -84,22 +91,34 @@ def timed_batches(capture_bs) -> list[int]:
     return sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} - {0}) if top else []
 
 
+def prefill_loop_mode() -> str:
+    from true_on_policy.patches.attention_backend import prefill_loop_mode
+
+    return prefill_loop_mode()
+
+
+def _head_layouts(model_runner) -> dict:
+    """{(Hq, Hkv, D) on this rank: the first attention layer's id} of the model's attention layers."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    layouts = {}
+    for m in model_runner.model.modules():
+        if isinstance(m, RadixAttention):
+            layouts.setdefault((m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim), m.layer_id)
+    return layouts
+
+
 def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
     """For each head layout of the model's attention layers on this rank: time the decode attention's
     candidate tiles on its KV pool at ``timed_batches`` and install the fastest (speed only: every
     candidate gives the fixed tile's bits). Returns what was chosen, for the manifest."""
     import torch
-    from sglang.srt.layers.radix_attention import RadixAttention
     from true_on_policy.kernels import attention as att
 
     pool = model_runner.token_to_kv_pool
     width = model_runner.req_to_token_pool.req_to_token.shape[1]
-    layouts = {}
-    for m in model_runner.model.modules():
-        if isinstance(m, RadixAttention):
-            layouts.setdefault((m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim), m.layer_id)
     out = []  # a rank without attention layers (a pipeline stage) has nothing to time
-    for (hq, hkv, d), layer_id in sorted(layouts.items()):
+    for (hq, hkv, d), layer_id in sorted(_head_layouts(model_runner).items()):
         k = pool.get_key_buffer(layer_id)
         v = pool.get_value_buffer(layer_id)
         choice = att.choose_decode_tiles(hq, hkv, d, timed_batches(capture_bs), k.view(k.shape[0], hkv, d),
@@ -109,12 +128,32 @@ def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
     return out
 
 
+def choose_prefill_tiles(model_runner) -> list[dict]:
+    """For each head layout of the model's attention layers on this rank: time the prefill attention's
+    candidate tiles on its KV pool and install the fastest (speed only: every candidate gives the
+    default's bits). Returns what was chosen (None: the default), for the manifest."""
+    import torch
+    from true_on_policy.kernels import attention as att
+
+    pool = model_runner.token_to_kv_pool
+    width = model_runner.req_to_token_pool.req_to_token.shape[1]
+    out = []
+    for (hq, hkv, d), layer_id in sorted(_head_layouts(model_runner).items()):
+        k = pool.get_key_buffer(layer_id)
+        v = pool.get_value_buffer(layer_id)
+        tile = att.choose_prefill_tile(hq, hkv, d, k.view(k.shape[0], hkv, d), v.view(v.shape[0], hkv, d), width)
+        out.append({"heads": [hq, hkv, d], "tile": tile})
+    torch.cuda.empty_cache()
+    return out
+
+
 def _make_prefill_capture(original):
     return _make_capture(original, PREFILL_CAPTURE)
 
 
 def apply(policy) -> PatchRecord:
     decode_tiles_mode()  # a bad value is refused as the patches install, before the model is built
+    prefill_loop_mode()
     reps = [wrap(CAPTURE, _make_capture), wrap(PREFILL_CAPTURE, _make_prefill_capture)]
     return PatchRecord.of("cuda_graph", reps, ["asserts every routing patch is installed before a decode or prefill "
                                                "graph capture; records the captured sizes"])

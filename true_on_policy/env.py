@@ -56,8 +56,11 @@ PREFILL_LOOP = EnvVar(
     "TRUE_ON_POLICY_PREFILL_LOOP",
     "'nested' or unset runs the prefill attention's fixed tile in its nested loop (a segment's blocks inside the loop "
     "over segments); 'flat' runs the same blocks in one loop (kernels.attention.set_prefill_loop), so a software "
-    "pipeline fetches across segments; any other value is refused when the patches install. Speed only: the same "
-    "bits (tests/gpu/test_kernels_gpu.py checks them)",
+    "pipeline fetches across segments; 'choose' times the prefill's candidate tiles (kernels.attention."
+    "prefill_candidates: the fixed tile in 1 and 3 stages, in both loops) on the KV pool at start-up, before the "
+    "first CUDA-graph capture, and keeps the fastest per head layout (the nested loop until then, and without CUDA "
+    "graphs); any other value is refused when the patches install. Speed only: the same bits "
+    "(tests/gpu/test_kernels_gpu.py checks them)",
 )
 
 QK_NORM_ROPE = EnvVar(

@@ -783,5 +783,6 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     assert engines.TPO_ENV["tpo_silusep"] == {"TRUE_ON_POLICY_MOE_SILU": "separate"}
     assert engines.TPO_ENV["tpo_siluup"] == {"TRUE_ON_POLICY_MOE_SILU": "up"}
     assert engines.TPO_ENV["tpo_pflat"] == {"TRUE_ON_POLICY_PREFILL_LOOP": "flat"}
-    for v in ("tpo_tiles", "tpo_fixed", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat"):
+    assert engines.TPO_ENV["tpo_pchoose"] == {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"}
+    for v in ("tpo_tiles", "tpo_fixed", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose"):
         assert v in throughput.VARIANTS and engines.variant_contract(v) == engines.variant_contract("tpo")

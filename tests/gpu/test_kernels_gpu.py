@@ -319,6 +319,48 @@ def test_attention_prefill_flat_loop_keeps_the_bits(hq, hkv, gpu_evidence):
 
 
 @pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (40, 2), (96, 8)])
+def test_attention_prefill_choice_keeps_the_bits(hq, hkv, gpu_evidence):
+    """``choose_prefill_tile`` as the first CUDA-graph capture runs it (a paged pool, the server's 40,960-token
+    width): the prefill form without a tile then launches what it installed, and that, like every candidate
+    of ``prefill_candidates``, gives the default's bits over fresh prompts and chunks after cached prefixes
+    of mixed lengths read through req_to_token rows. Records the choice, its timings and its seconds."""
+    import time
+
+    import true_on_policy.kernels.attention as A
+
+    g, d, pool = _gen(hq * 13 + hkv), 128, 20_000
+    kb, vb = _randn(g, pool, hkv, d), _randn(g, pool, hkv, d)
+    pre = torch.tensor([0, 0, 1, 63, 128, 300, 1000, 0, 4000], device="cuda", dtype=torch.int32)
+    new = torch.tensor([1, 200, 64, 65, 129, 700, 24, 4200, 200], device="cuda", dtype=torch.int32)
+    starts = torch.cumsum(new, 0, dtype=torch.int32) - new
+    tq, n = int(new.sum()), len(new)
+    q = _randn(g, tq, hq, d)
+    width = 8192
+    table = torch.randint(0, pool, (n + 3, width), device="cuda", generator=g, dtype=torch.int32)
+    rows = torch.randperm(n + 3, device="cuda", generator=g)[:n]  # int64, as SGLang's req_pool_indices
+    mq = int(new.max())
+
+    def run(tile=None):
+        return attention(q, kb, vb, table, starts, new, pre, mq, kv_rows=rows, max_kv_len=width, tile=tile)
+
+    A.clear_prefill_tiles()
+    default = run()
+    times: dict = {}
+    try:
+        t0 = time.perf_counter()
+        tile = A.choose_prefill_tile(hq, hkv, d, kb, vb, 40960, times_out=times)
+        seconds = time.perf_counter() - t0
+        assert A.prefill_tile_for(hq, hkv, d) == (tile or {})
+        _same(run(), default, f"{hq}/{hkv} prefill, the chosen tile {A.tile_label(tile)}")
+        for cand in A.prefill_candidates():
+            _same(run(cand), default, f"{hq}/{hkv} prefill {A.tile_label(cand)}")
+    finally:
+        A.clear_prefill_tiles()
+    gpu_evidence.append({"test": f"attention_prefill_choice_{hq}q{hkv}kv", "chosen": A.tile_label(tile) if tile
+                         else "default", "times_ms": times, "choice_s": round(seconds, 2), "bitwise": True})
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (24, 6), (40, 2), (96, 8)])
 def test_attention_tiles_chosen_at_start_up_keep_the_bits(hq, hkv, gpu_evidence):
     """``choose_decode_tiles`` as the decode capture runs it (powers of two up to 256 over a paged
     K/V pool, the server's 40,960-token bound): whatever it picks, a decode batch with the choice

@@ -1,6 +1,6 @@
 """Interpreted: attention through an index table (paged == contiguous, decode == prefill ==
 chunked prefill, across 64-key block and 128-key segment boundaries; split-KV == one program;
-the decode form; the flat loop in both forms), RoPE apply invariance, q and k in one launch with
+the decode form; the flat loop in both forms; a prefill tile installed per head layout), RoPE apply invariance, q and k in one launch with
 the K/V write and the QK-norm."""
 import sys
 
@@ -116,6 +116,26 @@ try:
     assert torch.equal(attention(q, k, v, kv, st, ln, p0, L), full)
 finally:
     attention_module.set_prefill_loop("nested")
+# a prefill tile installed per head layout (set_prefill_tile, as choose_prefill_tile installs it): the prefill form
+# without a tile launches it, for that layout only, and every candidate gives the default's bits
+seen, check = [], attention_module._check_tile
+attention_module._check_tile = lambda tile, group: (seen.append(dict(tile)), check(tile, group))[1]
+try:
+    n = 130  # across a 64-key block and the first 128-key segment
+    kv_n, st_n, ln_n, p0_n = contiguous_layout(1, n)
+    q_other = torch.randn(n, 2 * hq, d, generator=g).bfloat16()
+    for cand in attention_module.prefill_candidates():
+        attention_module.set_prefill_tile(hq, hkv, d, cand)
+        attention_module.set_prefill_tile(2 * hq, hkv, d, None)  # another layout keeps the loop's default
+        seen.clear()
+        assert torch.equal(attention(q[:n].clone(), k, v, kv_n, st_n, ln_n, p0_n, n), full[:n]), ("chosen", cand)
+        assert seen == [cand], (seen, cand)
+        seen.clear()
+        attention(q_other, k, v, kv_n, st_n, ln_n, p0_n, n)
+        assert seen == [], seen
+finally:
+    attention_module._check_tile = check
+    attention_module.clear_prefill_tiles()
 short = attention(q[-1:].clone(), k, v, kv, None, None, None, 1, max_kv_len=300, seq_lens=torch.tensor([L]))
 assert short.isnan().all(), "a sequence longer than max_kv_len must come out NaN"
 try:
