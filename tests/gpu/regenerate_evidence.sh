@@ -3,11 +3,11 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefilltiles |
-#        tilechoice | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefillchoice |
+#        prefilltiles | tilechoice | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, prefilltiles and tilechoice)
+#        prefillflat, prefillchoice, prefilltiles and tilechoice)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -326,6 +326,16 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
       --variants stock tpo tpo_pflat --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-pflat.json" ;;
+  prefillchoice)  # issue 37: the prefill tile chosen at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose, opt-in): the
+    # choice as the first graph capture runs it at four head layouts, its bits and every candidate's against the
+    # default; h1536e256k6's and a3b48's plain and tail cells, stock, tpo and tpo_pchoose alternated (resumable)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-attention-prefill-choice tests/gpu/test_kernels_gpu.py -k prefill_choice
+    for g in h1536e256k6 a3b48; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry $g --workload plain tail \
+        --variants stock tpo tpo_pchoose --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room \
+        --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$g-pchoose.json"
+    done ;;
   prefilltiles)  # issue 37: the prefill's MoE GEMMs: gate_up and down_flat at prefill token counts over three
     # geometries' MoE shapes, every candidate tile's bits against the reference's; a3b48's op profile at batches 64
     # and 256 with a prefill of 16 requests of 256 tokens (plain's prompt lengths), stock against tpo (resumable)
