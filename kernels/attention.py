@@ -85,8 +85,8 @@ CHOOSER_FORMS = ((2, None), (2, "flat"), (3, "flat"))  # (stages, loop) of the o
 # (the default) or "flat", the fixed tile either way. Speed only: both give the same bits.
 PREFILL_LOOPS = ("nested", "flat")
 _PREFILL_TILE: dict = {}
-# The prefill tile chosen once at start-up (``choose_prefill_tile``; the patches run it before the decode CUDA
-# graphs are captured when TRUE_ON_POLICY_PREFILL_LOOP=choose), per (Hq, Hkv, D) on this rank, among
+# The prefill tile chosen once at start-up (``choose_prefill_tile``; the patches run it before the first CUDA-graph
+# capture when TRUE_ON_POLICY_PREFILL_LOOP=choose), per (Hq, Hkv, D) on this rank, among
 # ``prefill_candidates``: the fixed tile in the prefill's 1 stage and in the decode form's 3, each in both loops.
 # Stages change no bit, and on the GPU each of these gives the nested loop's bits in the prefill form
 # (test_attention_tiles_equal_prefill, test_attention_prefill_flat_loop_keeps_the_bits): speed only. The
