@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import time
 
+from true_on_policy.patches.attention_backend import prefill_loop_mode
+
 from true_on_policy import env, patching
 from true_on_policy.manifest import PatchRecord
 from true_on_policy.patching import PatchError, env_choice, wrap
@@ -91,21 +93,21 @@ def timed_batches(capture_bs) -> list[int]:
     return sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} - {0}) if top else []
 
 
-def prefill_loop_mode() -> str:
-    from true_on_policy.patches.attention_backend import prefill_loop_mode
-
-    return prefill_loop_mode()
-
-
-def _head_layouts(model_runner) -> dict:
-    """{(Hq, Hkv, D) on this rank: the first attention layer's id} of the model's attention layers."""
+def _layout_pools(model_runner):
+    """(Hq, Hkv, D, K, V, width) per head layout of the model's attention layers on this rank, sorted: K and V
+    the first such layer's KV-pool buffers as [S, Hkv, D], width the req_to_token rows' (the server's
+    ``max_kv_len``). A rank without attention layers (a pipeline stage) has none."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
     layouts = {}
     for m in model_runner.model.modules():
         if isinstance(m, RadixAttention):
             layouts.setdefault((m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim), m.layer_id)
-    return layouts
+    pool = model_runner.token_to_kv_pool
+    width = model_runner.req_to_token_pool.req_to_token.shape[1]
+    for (hq, hkv, d), layer_id in sorted(layouts.items()):
+        k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        yield hq, hkv, d, k.view(k.shape[0], hkv, d), v.view(v.shape[0], hkv, d), width
 
 
 def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
@@ -115,14 +117,9 @@ def choose_decode_tiles(model_runner, capture_bs) -> list[dict]:
     import torch
     from true_on_policy.kernels import attention as att
 
-    pool = model_runner.token_to_kv_pool
-    width = model_runner.req_to_token_pool.req_to_token.shape[1]
     out = []  # a rank without attention layers (a pipeline stage) has nothing to time
-    for (hq, hkv, d), layer_id in sorted(_head_layouts(model_runner).items()):
-        k = pool.get_key_buffer(layer_id)
-        v = pool.get_value_buffer(layer_id)
-        choice = att.choose_decode_tiles(hq, hkv, d, timed_batches(capture_bs), k.view(k.shape[0], hkv, d),
-                                         v.view(v.shape[0], hkv, d), width)
+    for hq, hkv, d, k, v, width in _layout_pools(model_runner):
+        choice = att.choose_decode_tiles(hq, hkv, d, timed_batches(capture_bs), k, v, width)
         out.append({"heads": [hq, hkv, d], "tiles": {str(b): t for b, t in choice.items()}})
     torch.cuda.empty_cache()  # the timing's buffers go back before SGLang sizes its own capture
     return out
@@ -135,13 +132,9 @@ def choose_prefill_tiles(model_runner) -> list[dict]:
     import torch
     from true_on_policy.kernels import attention as att
 
-    pool = model_runner.token_to_kv_pool
-    width = model_runner.req_to_token_pool.req_to_token.shape[1]
     out = []
-    for (hq, hkv, d), layer_id in sorted(_head_layouts(model_runner).items()):
-        k = pool.get_key_buffer(layer_id)
-        v = pool.get_value_buffer(layer_id)
-        tile = att.choose_prefill_tile(hq, hkv, d, k.view(k.shape[0], hkv, d), v.view(v.shape[0], hkv, d), width)
+    for hq, hkv, d, k, v, width in _layout_pools(model_runner):
+        tile = att.choose_prefill_tile(hq, hkv, d, k, v, width)
         out.append({"heads": [hq, hkv, d], "tile": tile})
     torch.cuda.empty_cache()
     return out
