@@ -274,6 +274,26 @@ def test_attention_tiles_equal_prefill(hq, hkv, gpu_evidence):
     assert not differ, f"{len(differ)} of {len(outcomes)} candidate tiles differ from the fixed tile: {differ}"
 
 
+def _mixed_prefill(hq, hkv, seed, d=128, pool=20_000, width=8192):
+    """A batch of fresh prompts and chunks after cached prefixes of mixed lengths (1 to 4,200 keys, across
+    blocks and segments) over a paged pool read through req_to_token rows: (run, q, kb, vb, table, rows,
+    pre, new), ``run(tile)`` the prefill form over it."""
+    g = _gen(seed)
+    kb, vb = _randn(g, pool, hkv, d), _randn(g, pool, hkv, d)
+    pre = torch.tensor([0, 0, 1, 63, 128, 300, 1000, 0, 4000], device="cuda", dtype=torch.int32)
+    new = torch.tensor([1, 200, 64, 65, 129, 700, 24, 4200, 200], device="cuda", dtype=torch.int32)
+    starts = torch.cumsum(new, 0, dtype=torch.int32) - new
+    tq, n = int(new.sum()), len(new)
+    q = _randn(g, tq, hq, d)
+    table = torch.randint(0, pool, (n + 3, width), device="cuda", generator=g, dtype=torch.int32)
+    rows = torch.randperm(n + 3, device="cuda", generator=g)[:n]  # int64, as SGLang's req_pool_indices
+    mq = int(new.max())
+
+    def run(tile=None):
+        return attention(q, kb, vb, table, starts, new, pre, mq, kv_rows=rows, max_kv_len=width, tile=tile)
+    return run, q, kb, vb, table, rows, pre, new
+
+
 @pytest.mark.parametrize("hq,hkv", TILE_HEADS)
 def test_attention_prefill_flat_loop_keeps_the_bits(hq, hkv, gpu_evidence):
     """The prefill form in the flat loop (``set_prefill_loop("flat")``, as TRUE_ON_POLICY_PREFILL_LOOP=flat
@@ -282,21 +302,8 @@ def test_attention_prefill_flat_loop_keeps_the_bits(hq, hkv, gpu_evidence):
     read through req_to_token rows of a paged pool, and one long prefill the split rule splits."""
     import true_on_policy.kernels.attention as A
 
-    g, d, pool = _gen(hq * 11 + hkv), 128, 20_000
-    kb, vb = _randn(g, pool, hkv, d), _randn(g, pool, hkv, d)
-    pre = torch.tensor([0, 0, 1, 63, 128, 300, 1000, 0, 4000], device="cuda", dtype=torch.int32)
-    new = torch.tensor([1, 200, 64, 65, 129, 700, 24, 4200, 200], device="cuda", dtype=torch.int32)
-    starts = torch.cumsum(new, 0, dtype=torch.int32) - new
-    tq, n = int(new.sum()), len(new)
-    q = _randn(g, tq, hq, d)
     width = 8192
-    table = torch.randint(0, pool, (n + 3, width), device="cuda", generator=g, dtype=torch.int32)
-    rows = torch.randperm(n + 3, device="cuda", generator=g)[:n]  # int64, as SGLang's req_pool_indices
-    mq = int(new.max())
-
-    def run(tile=None, **kw):
-        return attention(q, kb, vb, table, starts, new, pre, mq, kv_rows=rows, max_kv_len=width, tile=tile, **kw)
-
+    run, q, kb, vb, table, rows, pre, new = _mixed_prefill(hq, hkv, hq * 11 + hkv, width=width)
     nested = run()
     checked = []
     try:
@@ -328,21 +335,8 @@ def test_attention_prefill_choice_keeps_the_bits(hq, hkv, gpu_evidence):
 
     import true_on_policy.kernels.attention as A
 
-    g, d, pool = _gen(hq * 13 + hkv), 128, 20_000
-    kb, vb = _randn(g, pool, hkv, d), _randn(g, pool, hkv, d)
-    pre = torch.tensor([0, 0, 1, 63, 128, 300, 1000, 0, 4000], device="cuda", dtype=torch.int32)
-    new = torch.tensor([1, 200, 64, 65, 129, 700, 24, 4200, 200], device="cuda", dtype=torch.int32)
-    starts = torch.cumsum(new, 0, dtype=torch.int32) - new
-    tq, n = int(new.sum()), len(new)
-    q = _randn(g, tq, hq, d)
-    width = 8192
-    table = torch.randint(0, pool, (n + 3, width), device="cuda", generator=g, dtype=torch.int32)
-    rows = torch.randperm(n + 3, device="cuda", generator=g)[:n]  # int64, as SGLang's req_pool_indices
-    mq = int(new.max())
-
-    def run(tile=None):
-        return attention(q, kb, vb, table, starts, new, pre, mq, kv_rows=rows, max_kv_len=width, tile=tile)
-
+    d = 128
+    run, _, kb, vb, _, _, _, _ = _mixed_prefill(hq, hkv, hq * 13 + hkv, d)
     A.clear_prefill_tiles()
     default = run()
     times: dict = {}
