@@ -12,6 +12,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The start of a ``run_py`` script that drives patches/cuda_graph.py's captures on the CPU: a scheduler's
+# patches under v1 (``patches``, ``att`` = kernels.attention, ``cuda_graph`` imported) and a fake model runner
+# ``MR``: two attention layers of 8 query / 2 KV heads at D 128 and one of 16 / 4 at D 64, a KV pool of 10
+# slots, a req_to_token 40,960 wide.
+FAKE_MODEL_RUNNER = r"""
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from true_on_policy import patches
+from true_on_policy.contract import get_contract
+from true_on_policy.contract.policy import RuntimePolicy
+from true_on_policy.kernels import attention as att
+from true_on_policy.patches import cuda_graph
+
+patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
+
+class Pool:
+    def get_key_buffer(self, i): return torch.zeros(10, 2 * 128 if i < 2 else 4 * 64)
+    def get_value_buffer(self, i): return torch.zeros(10, 2 * 128 if i < 2 else 4 * 64)
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([RadixAttention(8, 128, 1.0, 2, 0), RadixAttention(8, 128, 1.0, 2, 1),
+                                           RadixAttention(16, 64, 1.0, 4, 2)])
+class MR:
+    model, token_to_kv_pool = Model(), Pool()
+    req_to_token_pool = type('R', (), {'req_to_token': torch.zeros(3, 40960)})()
+"""
+
 
 def is_within(path, root) -> bool:
     """``path`` lies inside the folder ``root`` (whole path components: a sibling ``/x/proj-venv``

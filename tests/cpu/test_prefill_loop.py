@@ -6,7 +6,7 @@ every candidate gives the same bits: interpreted (interpreted/attention_rope.py)
 test_attention_prefill_choice_keeps_the_bits)."""
 
 import pytest
-from helpers import run_py
+from helpers import FAKE_MODEL_RUNNER, run_py
 from true_on_policy.kernels import attention as A
 from true_on_policy.kernels.limits import KernelLimitError
 
@@ -138,33 +138,13 @@ def test_the_prefill_choice_refuses_a_layout_the_kernel_does_not_cover():
     assert A.prefill_tile_for(24, 6, 96) == {}
 
 
-CAPTURE = r"""
+CAPTURE = FAKE_MODEL_RUNNER + r"""
 import os
-import torch
-from sglang.srt.layers.radix_attention import RadixAttention
-from true_on_policy import patches
-from true_on_policy.contract import get_contract
-from true_on_policy.contract.policy import RuntimePolicy
-from true_on_policy.kernels import attention as att
-from true_on_policy.patches import cuda_graph
-
-patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 calls = []
 att.choose_decode_tiles = lambda hq, hkv, d, batches, k, v, width: {b: None for b in batches}
 att.choose_prefill_tile = lambda hq, hkv, d, k, v, width: (
     calls.append((hq, hkv, d, tuple(k.shape), tuple(v.shape), width)) or att.prefill_candidates()[hq // 8])
 
-class Pool:
-    def get_key_buffer(self, i): return torch.zeros(10, 2 * 128 if i < 2 else 4 * 64)
-    def get_value_buffer(self, i): return torch.zeros(10, 2 * 128 if i < 2 else 4 * 64)
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([RadixAttention(8, 128, 1.0, 2, 0), RadixAttention(8, 128, 1.0, 2, 1),
-                                           RadixAttention(16, 64, 1.0, 4, 2)])
-class MR:
-    model, token_to_kv_pool = Model(), Pool()
-    req_to_token_pool = type('R', (), {'req_to_token': torch.zeros(3, 40960)})()
 class Runner:
     capture_bs, capture_num_tokens, model_runner = [1, 2, 24], [4, 8], MR()
 
