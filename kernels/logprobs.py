@@ -69,8 +69,8 @@ def _merge_stats(ma, ea, mb, eb):
 
 
 @triton.jit(do_not_specialize=["ROWS"])
-def _finish_kernel(STATS, ZTOK, OUT, ROWS, BLOCK: tl.constexpr):
-    """The fixed shard tree for BLOCK rows at once: ((0,1),(2,3)),((4,5),(6,7))."""
+def _finish_kernel(STATS, ZTOK, OUT, ROWS, HAS_Z: tl.constexpr, BLOCK: tl.constexpr):
+    """The fixed shard tree for BLOCK rows at once: ((0,1),(2,3)),((4,5),(6,7)); z = 0 without HAS_Z."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < ROWS
     base = STATS + r * 16
@@ -89,16 +89,21 @@ def _finish_kernel(STATS, ZTOK, OUT, ROWS, BLOCK: tl.constexpr):
     ma, ea = _merge_stats(m01, e01, m23, e23)
     mb, eb = _merge_stats(m45, e45, m67, e67)
     m, e = _merge_stats(ma, ea, mb, eb)
-    z = tl.load(ZTOK + r, mask=ok, other=0.0)
+    if HAS_Z:
+        z = tl.load(ZTOK + r, mask=ok, other=0.0)
+    else:
+        z = tl.zeros([BLOCK], tl.float32)
     tl.store(OUT + r, z - (m + tl.log(e)), mask=ok)
 
 
-def finish(stats: torch.Tensor, z_tok: torch.Tensor) -> torch.Tensor:
-    """stats [rows, 8, 2] fp32 (all shards, in vocabulary order), z_tok [rows] fp32 -> log-probs."""
+def finish(stats: torch.Tensor, z_tok: torch.Tensor | None) -> torch.Tensor:
+    """stats [rows, 8, 2] fp32 (all shards, in vocabulary order), z_tok [rows] fp32 -> log-probs;
+    ``z_tok`` None: z = 0 in the kernel (-lse per row, with no zeros tensor allocated)."""
     out = torch.empty(stats.shape[0], dtype=torch.float32, device=stats.device)
     if stats.shape[0]:
-        _finish_kernel[(triton.cdiv(stats.shape[0], 128),)](stats.contiguous(), z_tok.contiguous(), out,
-                                                             stats.shape[0], BLOCK=128)
+        z = out if z_tok is None else z_tok.contiguous()  # never read without HAS_Z
+        _finish_kernel[(triton.cdiv(stats.shape[0], 128),)](stats.contiguous(), z, out, stats.shape[0],
+                                                             HAS_Z=z_tok is not None, BLOCK=128)
     return out
 
 

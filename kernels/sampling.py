@@ -176,19 +176,23 @@ def _gumbel32(h):
 @triton.jit
 def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST_IDX, NEED, EDGE, EDGE_ID, LOG_TOTAL,
                           stride_v, stride_l, SHARD, VOCAB, ERR, FROM_LOGITS: tl.constexpr, TRUNC: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          ANY_GREEDY: tl.constexpr, BLOCK: tl.constexpr):
     """One (row, shard): the shard's best fp64 score and the lowest id attaining it ((-inf, 0) when
     no score beats -inf). Scores: fp64(x) + g, x = logq (``VALS``) or, with FROM_LOGITS,
     logp = logits / T - lse computed here; greedy rows: fp32 logits. With TRUNC (and FROM_LOGITS)
     rows whose NEED is set draw from logq formed here by ``_truncate_top``'s rule from the row's cut
     (``_top_cut``): kept are logp > EDGE and logp == EDGE at ids <= EDGE_ID, each
     fp32(fp64(logp) - LOG_TOTAL), the rest -inf. The fp64 scores are computed only in chunks the
-    fp32 estimate cannot rule out (see GUMBEL_ERR)."""
+    fp32 estimate cannot rule out (see GUMBEL_ERR). Without ANY_GREEDY no row is greedy and GREEDY
+    is not read."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     seed = tl.load(SEED + row)
     pos = (tl.load(POS + row) & 0xFFFFFFFF).to(tl.uint32)
-    greedy = tl.load(GREEDY + row) != 0
+    if ANY_GREEDY:
+        greedy = tl.load(GREEDY + row) != 0
+    else:
+        greedy = tl.full([], 0, tl.int1)
     h0 = _mix(tl.zeros([BLOCK], tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, pos)
@@ -257,7 +261,7 @@ def gumbel_error(start: int, count: int, device="cuda") -> float:
 # ---------------------------------------------------------------------------- launchers
 def row_lse(stats: torch.Tensor) -> torch.Tensor:
     """fp32 [rows]: the shard tree's m + log(e), exactly as ``token_logprobs`` subtracts it."""
-    return -finish(stats, torch.zeros(stats.shape[0], dtype=torch.float32, device=stats.device))
+    return -finish(stats, None)
 
 
 def log_softmax_rows(logits: torch.Tensor, temperature) -> torch.Tensor:
@@ -551,8 +555,7 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
     stats = shard_stats(logits, temp, SHARDS)
     lse = row_lse(stats)
     if top_k is None and top_p is None and min_p is None:  # nothing truncates, no row is greedy
-        k = p = mp = None
-        greedy = torch.zeros(rows, dtype=torch.int8, device=device)
+        k = p = mp = greedy = None
     else:
         k, p, mp, need = truncation_params(rows, vocab, device, top_k, top_p, min_p)
         greedy = (k == 1).to(torch.int8)
@@ -572,9 +575,10 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions: to
         vals = dist if dist is not None else logits
         _gumbel_argmax_kernel[(rows, SHARDS)](
             vals, logits, temp, lse, seeds.to(device=device, dtype=torch.int64).contiguous(),
-            positions.to(device=device, dtype=torch.int64).contiguous(), greedy, best, best_idx,
-            *(cut or (greedy, temp, best_idx, best)), vals.stride(0), logits.stride(0), triton.cdiv(vocab, SHARDS),
-            vocab, GUMBEL_ERR, FROM_LOGITS=dist is None, TRUNC=cut is not None, BLOCK=DRAW_BLOCK)
+            positions.to(device=device, dtype=torch.int64).contiguous(), temp if greedy is None else greedy, best,
+            best_idx, *(cut or (temp, temp, best_idx, best)), vals.stride(0), logits.stride(0),
+            triton.cdiv(vocab, SHARDS), vocab, GUMBEL_ERR, FROM_LOGITS=dist is None, TRUNC=cut is not None,
+            ANY_GREEDY=greedy is not None, BLOCK=DRAW_BLOCK)
     ids = best_idx.gather(1, torch.argmax(best, dim=1, keepdim=True))[:, 0]
     if dist is not None:
         lp = dist.gather(1, ids[:, None])[:, 0]

@@ -34,6 +34,12 @@ for n in (1, 2, 5):  # batch invariance
     i2, l2, _ = sample(logits[:n].clone(), temp[:n], seeds[:n], pos[:n])
     assert torch.equal(i2, ids[:n]) and torch.equal(l2, lp[:n]), n
 
+# an untruncated draw allocates no zeros (the row lse and the greedy flags are constants in the kernels)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    z_ids, z_lp, _ = sample(logits, temp, seeds, pos)
+zeros = [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zero_", "aten::zeros_like")]
+assert not zeros and torch.equal(z_ids, ids) and torch.equal(z_lp, lp), zeros
+
 # greedy (top_k == 1): argmax of the fp32 logits, untruncated log-prob
 gi, glp, _ = sample(logits, 1.0, seeds, pos, top_k=1)
 assert torch.equal(gi, torch.argmax(logits, 1)), (gi, torch.argmax(logits, 1))
