@@ -157,7 +157,7 @@ case $GROUP in
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
     # at a time, stock (its flashinfer sampling for qwen, and SGLang's own backend choice) against both contracts; a line stops before its time
     # budget (TIME_BUDGET s, default 540) with exit 3 and "INCOMPLETE": run it again until the file is complete.
-    # WORKLOADS / VARIANTS narrow a space run (the file records what ran), SPACE_TAG names its file
+    # WORKLOADS / VARIANTS narrow a space or tailprofile run (the file records what ran), SPACE_TAG names its file
     # throughput-space-<g>-<tag>.json (a run at new code beside an earlier file).
     # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
     # allocation or host sync a contract's step adds to stock's (JSON + .md; PROFILE_TAG=before|after names the files;
@@ -174,8 +174,8 @@ case $GROUP in
           --http --make-room --resume --time-budget "${TIME_BUDGET:-540}" \
           --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else
-        run $B/op_profile.py --geometry "$g" --batches 1 4 16 64 --workload plain qwen \
-          --variants stock stock_fi tpo tpo_v1 --mem 0.85 --make-room --resume \
+        run $B/op_profile.py --geometry "$g" --batches 1 4 16 64 --workload ${WORKLOADS:-plain qwen} \
+          --variants ${VARIANTS:-stock stock_fi tpo tpo_v1} --mem 0.85 --make-room --resume \
           --out "$E/profile-tail-$g${PROFILE_TAG:+-$PROFILE_TAG}.json"
       fi
     done ;;
@@ -328,12 +328,13 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-pflat.json" ;;
   prefillchoice)  # issue 37: the prefill tile chosen at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose, opt-in): the
     # choice as the first graph capture runs it at four head layouts, its bits and every candidate's against the
-    # default; h1536e256k6's and a3b48's plain and tail cells, stock, tpo and tpo_pchoose alternated (resumable)
+    # default, with the decode choice's tests (the two share their graph timing); h1536e256k6's and a3b48's plain and
+    # tail cells, tpo and tpo_pchoose alternated (resumable; VARIANTS="stock tpo tpo_pchoose" adds stock)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    run tier gpu-tier-attention-prefill-choice tests/gpu/test_kernels_gpu.py -k prefill_choice
+    run tier gpu-tier-attention-prefill-choice tests/gpu/test_kernels_gpu.py -k "prefill_choice or chosen_at_start_up"
     for g in h1536e256k6 a3b48; do
       run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry $g --workload plain tail \
-        --variants stock tpo tpo_pchoose --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room \
+        --variants ${VARIANTS:-tpo tpo_pchoose} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room \
         --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$g-pchoose.json"
     done ;;
   prefilltiles)  # issue 37: the prefill's MoE GEMMs: gate_up and down_flat at prefill token counts over three
