@@ -192,7 +192,7 @@ def _gumbel_argmax_kernel(VALS, LOGITS, TEMP, LSE, SEED, POS, GREEDY, BEST, BEST
     if ANY_GREEDY:
         greedy = tl.load(GREEDY + row) != 0
     else:
-        greedy = tl.full([], 0, tl.int1)
+        greedy = tl.full([], False, tl.int1)
     h0 = _mix(tl.zeros([BLOCK], tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     h0 = _mix(h0, pos)
