@@ -15,7 +15,7 @@ The prefill is ``--prefill-requests`` requests (default 1) of ``--prefill`` toke
 batch, profiled after a warm-up prefill of the same shape: one long request weighs the attention's
 quadratic part, many short ones (``plain``'s prompts are 64-512 tokens) the GEMMs and the MoE.
 
-The evidence (``--out``, with the tables rendered next to it as ``.md``) is rewritten after each
+The evidence (``--out``, its tables rendered as markdown in ``table``) is rewritten after each
 variant, each variant with the ``provenance`` of the run that measured it (the file's own is the
 last run's). ``--resume`` reads the file at ``--out`` and runs only the variants it lacks, when the
 file is incomplete and holds the same arguments, package versions and GPU model; its variants may
@@ -292,8 +292,6 @@ def main(argv=None) -> int:
                     a.geometry), "complete": len(results) == len(a.variants), "variants": results,
                     "sources": len({step_ops.source_of(v["provenance"]) for v in results}),
                     "flags": step_ops.flags(results, STOCK_EXTRA), "table": text}, prov)
-                with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-                    f.write(text)
     print(table(results, a))
     return 0
 

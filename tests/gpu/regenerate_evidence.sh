@@ -160,7 +160,7 @@ case $GROUP in
     # WORKLOADS / VARIANTS narrow a space or tailprofile run (the file records what ran), SPACE_TAG names its file
     # throughput-space-<g>-<tag>.json (a run at new code beside an earlier file).
     # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
-    # allocation or host sync a contract's step adds to stock's (JSON + .md; PROFILE_TAG=before|after names the files;
+    # allocation or host sync a contract's step adds to stock's (its tables in the JSON's "table"; PROFILE_TAG=before|after names the files;
     # each variant is kept once done, with the provenance of its own run: run it again after a time limit). --resume
     # reads the file at its --out, so the rerun must find the partial file there: keep ROOT at its default (the
     # checkout's evidence/) and, where each run starts from a fresh copy of the checkout, put the partial file back into
