@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefillchoice |
-#        prefilltiles | tilechoice | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | tilechoice | sampler | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, prefillchoice, prefilltiles and tilechoice)
+#        prefillflat, prefillchoice, prefilltiles, tilechoice and sampler)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -355,6 +355,20 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain qwen \
       --variants stock tpo tpo_fixed --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-choice.json" ;;
+  sampler)  # issue 37, the sampler's last change (an untruncated draw allocates no zeros: the row lse at z = 0 inside
+    # the finish kernel, no greedy flags read when no row can be greedy): the sampling, truncation and token log-prob
+    # GPU tests; the h1536 truncation stress; parity on the 235B-A22B layer shape and on the 48 layers (the issue's
+    # parity acceptance, under the default contract)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-sampling-nozeros tests/gpu/test_sampling_gpu.py tests/gpu/test_truncation_top_gpu.py \
+      tests/gpu/test_truncation_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_kernels_layouts_gpu.py \
+      -k "sampl or trunc or token_logprobs or lse"
+    run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-nozeros.json"
+    run $P --mode tpo --trainer patched --geometry a22b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
+      --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-nozeros-a22b2-t1.0.json"
+    rm -rf "$TRUE_ON_POLICY_CACHE"/*a22b2*
+    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-nozeros-a3b48-t1.0.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
