@@ -224,8 +224,8 @@ def test_resume_finishes_the_committed_tail_profile_with_each_variants_provenanc
         old["variants"][0]["decode_workloads"]["plain"]["1"]["gpu_us_per_step"])
     assert "other" not in stock["decode_workloads"]["plain"]["1"]["ops_us"]  # regrouped by the current rule
     assert "RMSNorm" in stock["decode_workloads"]["plain"]["1"]["ops_us"]
-    md = (tmp_path / TAIL.name).with_suffix(".md").read_text()
-    assert md == d["table"] and "## Runs (2 sources" in md
+    md = d["table"]
+    assert not (tmp_path / TAIL.name).with_suffix(".md").exists() and "## Runs (2 sources" in md
     assert f"| stock | {old['provenance']['git']['commit'][:12]} | False |" in md
     assert "| op | stock µs | stock_fi µs | tpo µs | tpo_v1 µs | tpo/stock | tpo_v1/stock |" in md
 
