@@ -59,7 +59,7 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, SEGMENTS):
-        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
+        acc = segment_partial(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
                        BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
         v1 = p1 + acc
         v2 = p2 + v1
@@ -108,7 +108,7 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
 
 
 @triton.jit
-def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
+def segment_partial(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr,
              DOT_F32: tl.constexpr):
     """One segment's fp32 partial from zero: NCH chunks of BK columns, then the BKT tail."""

@@ -125,7 +125,7 @@ def edges(module: str, path: Path, source: str):
             if _private(part):
                 out.append((node.lineno, target, part))
             break
-    return sorted(set(out))
+    return sorted(set(out), key=lambda e: (e[0], e[1], e[2] or ""))  # None: no private name
 
 
 def upward(files) -> list[str]:

@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefillchoice |
-#        prefilltiles | tilechoice | sampler | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | tilechoice | sampler | segsplit | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, prefillchoice, prefilltiles, tilechoice and sampler)
+#        prefillflat, prefillchoice, prefilltiles, tilechoice, sampler and segsplit)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -355,6 +355,12 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain qwen \
       --variants stock tpo tpo_fixed --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-choice.json" ;;
+  segsplit)  # issue 37, v1's prefill: the tree GEMM with its top levels across programs (kernels/seg_split.py, a
+    # candidate the rollout does not run): its bits against seg_tree on the GPU, then its time against the forms in use
+    # (the down projection and o_proj at prefill token counts, every candidate's bits checked)
+    run tier gpu-tier-seg-split tests/gpu/test_kernels_gpu.py -k seg_split
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down o_proj --tokens 512 2048 4096 8192 \
+      --out "$E/bench-seg-split.json" ;;
   sampler)  # issue 37, the sampler's last change (an untruncated draw allocates no zeros: the row lse at z = 0 inside
     # the finish kernel, no greedy flags read when no row can be greedy): the sampling, truncation and token log-prob
     # GPU tests; the h1536 truncation stress; parity on the 235B-A22B layer shape and on the 48 layers (the issue's
