@@ -7,8 +7,8 @@ its own fp32 GEMM from zero, the partials are added in the pairwise tree ((y0+y1
 rounding.
 
 Form: PARTS programs (a power of two dividing S) share each (BLOCK_M, BLOCK_N) tile; part p computes
-the subtree over segments [p S/PARTS, (p+1) S/PARTS) as ``seg_tree`` does (its segments in BK chunks
-plus a tail, folded by selects), which is the reference tree's subtree of those segments. The
+the subtree over segments [p S/PARTS, (p+1) S/PARTS) with ``seg_tree``'s ``segment_tree`` (its segments in BK
+chunks plus a tail, folded by selects), which is the reference tree's subtree of those segments. The
 subtrees then meet pairwise, level by level: each of two siblings writes its fp32 partial to a
 workspace and adds one to the pair's arrival counter; the second to arrive reads its sibling's
 partial, adds the two and goes on to the next level (resetting the counter to zero); the first
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
 from true_on_policy.kernels.matmul import gather_rows
-from true_on_policy.kernels.seg_tree import chunks_of, segment_partial
+from true_on_policy.kernels.seg_tree import chunks_of, segment_tree
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -53,30 +53,8 @@ def _seg_split_kernel(A, B, C, A_IDX, BLOCK_EXPERT, WS, CNT, M, N, SEG, stride_a
     a_rows, row_ok = gather_rows(A_IDX, pid_m, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    SPP: tl.constexpr = SEGMENTS // PARTS
-    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, SPP):
-        acc = segment_partial(A, B, a_rows, row_ok, cols, col_ok, (part * SPP + s) * SEG, stride_am, stride_ak, stride_bn,
-                       stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
-        v1 = p1 + acc
-        if SPP >= 8:
-            p8 = tl.where(s % 8 == 7, p4 + (p2 + v1), p8)
-        if SPP >= 4:
-            p4 = tl.where(s % 8 == 3, p2 + v1, p4)
-        if SPP >= 2:
-            p2 = tl.where(s % 4 == 1, v1, p2)
-        p1 = tl.where(s % 2 == 0, acc, p1)
-    if SPP == 1:
-        val = p1
-    elif SPP == 2:
-        val = p2
-    elif SPP == 4:
-        val = p4
-    else:
-        val = p8
+    val = segment_tree(A, B, a_rows, row_ok, cols, col_ok, part * (SEGMENTS // PARTS), SEG, stride_am, stride_ak,
+                       stride_bn, stride_bk, SEGMENTS // PARTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
     # the subtrees meet pairwise: level l has PARTS >> l nodes; this program is node `node` while alive
     tile = pid_m * tl.num_programs(2) + pid_n
     here = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
