@@ -357,10 +357,14 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-choice.json" ;;
   segsplit)  # issue 37, v1's prefill: the tree GEMM with its top levels across programs (kernels/seg_split.py, a
     # candidate the rollout does not run): its bits against seg_tree on the GPU, then its time against the forms in use
-    # (the down projection and o_proj at prefill token counts, every candidate's bits checked)
+    # (the down projection and o_proj at prefill token counts, every candidate's bits checked); then v1's parity on the
+    # 48 layers at the current code (seg_tree's subtree fold is shared with seg_split)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-seg-split tests/gpu/test_kernels_gpu.py -k seg_split
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down o_proj --tokens 512 2048 4096 8192 \
-      --out "$E/bench-seg-split.json" ;;
+      --out "$E/bench-seg-split.json"
+    run $P --mode tpo --trainer patched $V1 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-v1-a3b48-t1.0.json" ;;
   sampler)  # issue 37, the sampler's last change (an untruncated draw allocates no zeros: the row lse at z = 0 inside
     # the finish kernel, no greedy flags read when no row can be greedy): the sampling, truncation and token log-prob
     # GPU tests; the h1536 truncation stress; parity on the 235B-A22B layer shape and on the 48 layers (the issue's
