@@ -11,14 +11,13 @@ Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at r
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 
 - down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
-  (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop) and ``seg_split``
-  (the tree's top levels across 2, 4 or 8 programs per tile, wider tiles: ``seg_splitP``).
+  (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: other TMA tiles.
 - gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: weights by TMA
   (``grouped_tma``), other pointer tiles.
 - o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
-  (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``, ``seg_split``.
+  (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
   [2048, 4096] (o_proj at tree width 1: one plain GEMM): reference ``matmul`` with the role the
   rollout passes ("plain", "router", "row"); candidates: other TMA tiles, the decode grid's 16-row
@@ -69,15 +68,6 @@ SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
        dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2)]
-# seg_split: (programs per tile, tile); fewer segments per program keep fewer accumulators live
-SPLIT = [(2, dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)),
-         (2, dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3)),
-         (2, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2)),
-         (4, dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)),
-         (4, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=3)),
-         (4, dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)),
-         (8, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=3)),
-         (8, dict(BLOCK_M=128, BLOCK_N=256, BK=64, num_warps=8, num_stages=2))]
 UP_TMA = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
@@ -138,7 +128,6 @@ def _time(fn):
 def _cases(gemm, t, g, w, mm, moe):
     """(reference, [candidates]) for one GEMM at t tokens; each a (name, cfg, fn -> out, mask)."""
     import true_on_policy.kernels.grouped_tma as gt
-    import true_on_policy.kernels.seg_split as ss
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.tree_reduce import row_linear
 
@@ -163,14 +152,7 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
-
-        def split(parts, cfg):
-            out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
-            b = bexp(cfg["BLOCK_M"])
-            return lambda: ss.launch(h, w["w2"], out, own, b, rows.shape[0], 8, parts, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(inter // 8, c["BK"])]
-        cands += [(f"seg_split{p}", c, split(p, c)) for p, c in SPLIT if st.fits(inter // 8, c["BK"])]
-        return ref, cands, mask, touched * hid * inter * 2
+        return ref, [("seg_tree", c, seg(c)) for c in SEG if st.fits(inter // 8, c["BK"])], mask, touched * hid * inter * 2
     if gemm == "down_flat":  # tree width 1: the down projection as one plain grouped GEMM, fp32 out
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask = used & (own >= 0)
@@ -205,15 +187,10 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: st.launch(x, w["o"], out, None, None, t, 8, cfg)
 
-        def split(parts, cfg):
-            out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
-            return lambda: ss.launch(x, w["o"], out, None, None, t, 8, parts, cfg)
-
         def flat(cfg):  # the tree in one pipelined K loop (matmul's ROW_FLAT form), rounded as it stores
             out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
         cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(O_IN // 8, c["BK"])]
-        cands += [(f"seg_split{p}", c, split(p, c)) for p, c in SPLIT if st.fits(O_IN // 8, c["BK"])]
         planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
                   for pp in (1, 2, 4) for c in PLANE_TILES]
         return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2

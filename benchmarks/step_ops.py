@@ -37,7 +37,7 @@ OPS = [
     ("RMSNorm", r"rms_?norm|layer_?norm|qk_?norm|norm::"),
     ("RoPE", r"(?<![a-z])rope|rotary"),
     ("KV write", r"store_kvcache|set_kv|kv_buffer|copy_kv"),
-    ("MoE", r"moe|expert|router|topk_softmax|^(_route|_count|_align|_grouped_tma|_seg_tree|_seg_split|_silu_mul|_combine)_kernel$|"
+    ("MoE", r"moe|expert|router|topk_softmax|^(_route|_count|_align|_grouped_tma|_seg_tree|_silu_mul|_combine)_kernel$|"
      r"act_and_mul|silu_and_mul"),
     ("sampling / log-probs", r"sampl|softmax|logprob|gumbel|argmax|topk|top_k|top_p|"
      r"^(_shard_stats|_finish|_truncate_select|_edge_id|_cut)_kernel$"),

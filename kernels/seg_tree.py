@@ -24,7 +24,10 @@ the H200 at BLOCK_M >= 64, nor at ROW_SEG's tile on a 1536-wide K, though bitwis
 interpreter; the cause is not established -- the suspect is the compiler folding the pair's
 addition into an MMA accumulator, which would round differently); each segment's chunks as a
 pipelined loop (``INNER="loop"``: it beat the planes of ``split_matmul`` only at 4096 tokens);
-the last segment peeled; the fold by branches.
+the last segment peeled; the fold by branches; the tree's top levels across 2, 4 or 8 programs per
+tile, met pairwise through arrival counters and a workspace, so that wider tiles fit (the same bits
+on the H200, and 1.4 to 4.6 times this form's time on the 30B-A3B down projection at 512 to 8,192
+tokens: ``evidence/bench-seg-split.json``).
 """
 
 from __future__ import annotations
@@ -47,17 +50,17 @@ def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_
 
 
 @triton.jit
-def segment_tree(A, B, a_rows, row_ok, cols, col_ok, first, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+def _segment_tree(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
                  COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
                  NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
-    """The pairwise tree over segments ``first`` .. ``first + COUNT - 1`` (COUNT 1, 2, 4 or 8) as the
-    pipelined loop: each segment's fp32 partial from zero, folded like a binary counter by selects."""
+    """The pairwise tree over the COUNT segments (1, 2, 4 or 8) as the pipelined loop: each segment's fp32
+    partial from zero, folded like a binary counter by selects."""
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, COUNT):
-        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, (first + s) * SEG, stride_am, stride_ak, stride_bn,
+        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn,
                        stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
         v1 = p1 + acc
         v2 = p2 + v1
@@ -87,7 +90,7 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
     a_rows, row_ok = gather_rows(A_IDX, tile, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    root = segment_tree(A, B, a_rows, row_ok, cols, col_ok, 0, SEG, stride_am, stride_ak, stride_bn, stride_bk,
+    root = _segment_tree(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
                         SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
     out_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),

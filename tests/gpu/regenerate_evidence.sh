@@ -355,10 +355,11 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain qwen \
       --variants stock tpo tpo_fixed --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-choice.json" ;;
-  segsplit)  # issue 37, v1's prefill: the tree GEMM with its top levels across programs (kernels/seg_split.py, a
-    # candidate the rollout does not run): its bits against seg_tree on the GPU, then its time against the forms in use
-    # (the down projection and o_proj at prefill token counts, every candidate's bits checked); then v1's parity on the
-    # 48 layers at the current code (seg_tree's subtree fold is shared with seg_split)
+  segsplit)  # issue 37, v1's prefill, at 1b6b4ca: the tree GEMM with its top levels across programs (kernels/seg_split.py,
+    # a candidate the rollout never ran, measured slower and since removed: check that commit out to re-run its tier and
+    # sweep as they ran): its bits against seg_tree on the GPU, then its time against the forms in use (the down
+    # projection and o_proj at prefill token counts, every candidate's bits checked); then v1's parity on the 48 layers
+    # (its numerics are the current code's)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-seg-split tests/gpu/test_kernels_gpu.py -k seg_split
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down o_proj --tokens 512 2048 4096 8192 \

@@ -635,41 +635,6 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     gpu_evidence.append({"test": f"seg_tree_{tiles}_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
 
 
-SPLIT_CASES = {"p2m64": (2, dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3)),
-               "p4m128": (4, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=3)),
-               "p8m128": (8, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=3))}
-
-
-@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
-def test_seg_split_equals_seg_tree(case, gpu_evidence):
-    """``seg_split`` (the tree's top levels across programs, met through arrival counters) computes
-    ``seg_tree``'s bits at the 30B-A3B down shape, expert-grouped over 128 experts, at prefill token
-    counts, in five launches each (the siblings' arrival order varies between them), and leaves its
-    counters at zero."""
-    import true_on_policy.kernels.matmul as mm
-    import true_on_policy.kernels.seg_split as ss
-    import true_on_policy.kernels.seg_tree as st
-    from true_on_policy.kernels.moe import align
-
-    parts, cfg = SPLIT_CASES[case]
-    g = _gen(17)
-    w2 = _randn(g, 128, 2048, 768, scale=0.03)
-    for t in (64, 512, 4096):
-        ids = torch.rand(t, 128, device="cuda", generator=g).argsort(dim=1)[:, :8].int()
-        rows, be, _, own = align(ids, 0, 128)
-        h = _randn(g, rows.shape[0], 768)
-        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
-        ref = st.launch(h, w2, torch.empty(rows.shape[0], 2048, dtype=torch.float32, device="cuda"), own,
-                        be.repeat_interleave(mm.ALIGN // mm.ROW_SEG["BLOCK_M"]), rows.shape[0], 8, mm.ROW_SEG)
-        bexp = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"]) if cfg["BLOCK_M"] < mm.ALIGN else be
-        for _ in range(5):
-            got = ss.launch(h, w2, torch.full_like(ref, float("nan")), own, bexp, rows.shape[0], 8, parts, cfg)
-            _same(got[real], ref[real], f"seg_split {case} tokens={t}")
-        assert not ss.counters(h.device, 1).any(), "an arrival counter left non-zero"
-    gpu_evidence.append({"test": f"seg_split_{case}_eq_seg_tree", "parts": parts, "tiles": cfg,
-                         "tokens": [64, 512, 4096], "bitwise": True})
-
-
 GT_TILES = {"m16": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
             "m64": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
             "m128k64": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),

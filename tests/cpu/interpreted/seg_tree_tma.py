@@ -1,9 +1,7 @@
 """Interpreted (TRITON_INTERPRET=1): the seg_tree GEMM (segments as the loop, chunks + tail,
 select fold) equals the fp64-per-segment reference exactly, plain and expert-grouped, for every
 segment count and chunk split; a config key it does not know (the removed candidates' FOLD and
-INNER) is refused; ``seg_split`` (the tree's top levels across programs) equals it for every part
-count and both arrival orders and leaves its arrival counters at zero, and refuses parts that do not
-divide the segments; the grouped TMA GEMM (weights by tensor descriptor) equals the pointer kernel's
+INNER) is refused; the grouped TMA GEMM (weights by tensor descriptor) equals the pointer kernel's
 interpreted result (the same per-chunk rounding)."""
 import sys
 
@@ -11,7 +9,7 @@ import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
 from helpers import expect_value_errors  # noqa: E402
-from true_on_policy.kernels import grouped_tma, seg_split, seg_tree  # noqa: E402
+from true_on_policy.kernels import grouped_tma, seg_tree  # noqa: E402
 from true_on_policy.kernels.matmul import ALIGN, COLUMN, _launch, matmul_reference
 from true_on_policy.kernels.moe import align
 
@@ -23,12 +21,6 @@ for m, n, k, s, bk in ((5, 40, 768, 8, 64), (17, 24, 384, 4, 32), (3, 16, 512, 8
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BK=bk, num_warps=4, num_stages=3)
     out = seg_tree.launch(x, w, torch.empty(m, n), None, None, m, s, cfg, dot_f32=True)
     assert torch.equal(out, matmul_reference(x, w, torch.float32, segments=s, acc=torch.float64)), (m, n, k, s, bk)
-    for parts in (p for p in (1, 2, 4, 8) if s % p == 0 and k < 4096):  # (the interpreter is slow)
-        for reverse in (False, True):
-            got = seg_split.launch(x, w, torch.full((m, n), float("nan")), None, None, m, s, parts, cfg,
-                                   dot_f32=True, reverse=reverse)
-            assert torch.equal(got, out), ("seg_split", m, n, k, s, bk, parts, reverse)
-            assert not seg_split.counters(x.device, 1).any(), "an arrival counter left non-zero"
 assert seg_tree.chunks_of(96, 64) == (1, 32) and seg_tree.chunks_of(96, 32) == (3, 0)
 assert not seg_tree.fits(40, 32) and not seg_tree.fits(72, 64) and seg_tree.fits(32, 64)
 # grouped: rows gathered through the expert table, per-expert weights
@@ -45,15 +37,8 @@ real = ((be >= 0).repeat_interleave(ALIGN) & (own >= 0)).nonzero()[:, 0]
 for p in real.tolist():
     ref = matmul_reference(h[p:p + 1], we[be[p // ALIGN]], torch.float32, segments=8, acc=torch.float64)
     assert torch.equal(out[p:p + 1], ref), p
-for parts in (2, 4):
-    got = seg_split.launch(h, we, torch.empty(rows.shape[0], n), own, bexp, rows.shape[0], 8, parts, cfg, dot_f32=True,
-                           reverse=parts == 4)
-    assert torch.equal(got[real], out[real]) and not seg_split.counters(h.device, 1).any(), ("seg_split", parts)
 bad = [dict(cfg, FOLD="lag"), dict(cfg, INNER="loop")]  # the removed candidates' keys
-expect_value_errors(*(lambda b=b: seg_tree.launch(x, w, torch.empty(m, n), None, None, m, 8, b) for b in bad),
-                    *(lambda b=b: seg_split.launch(x, w, torch.empty(m, n), None, None, m, 8, 2, b) for b in bad),
-                    *(lambda p=p: seg_split.launch(x, w, torch.empty(m, n), None, None, m, 8, p, cfg)
-                      for p in (3, 16)))  # parts not a power of two dividing the 8 segments
+expect_value_errors(*(lambda b=b: seg_tree.launch(x, w, torch.empty(m, n), None, None, m, 8, b) for b in bad))
 assert not seg_tree.smem_ok(512, dict(cfg, BLOCK_M=64, BLOCK_N=128, num_stages=4))  # o_proj's 4096 / 8
 assert seg_tree.smem_ok(96, dict(cfg, BLOCK_M=32, BLOCK_N=128, num_stages=3))  # ROW_SEG at 30B-A3B's 768 / 8
 # grouped TMA == pointer kernel (gate/up form), N not a multiple of the tile
