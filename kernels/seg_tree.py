@@ -26,8 +26,8 @@ addition into an MMA accumulator, which would round differently); each segment's
 pipelined loop (``INNER="loop"``: it beat the planes of ``split_matmul`` only at 4096 tokens);
 the last segment peeled; the fold by branches; the tree's top levels across 2, 4 or 8 programs per
 tile, met pairwise through arrival counters and a workspace, so that wider tiles fit (the same bits
-on the H200, and 1.4 to 4.6 times this form's time on the 30B-A3B down projection at 512 to 8,192
-tokens: ``evidence/bench-seg-split.json``).
+on the H200, slower at every prefill size: the workspace's round trip costs more than the wider tiles
+gain; docs/throughput.md, "v1").
 """
 
 from __future__ import annotations
