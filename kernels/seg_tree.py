@@ -51,8 +51,8 @@ def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_
 
 @triton.jit
 def _segment_tree(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                 COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
-                 NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
+                  COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+                  NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
     """The pairwise tree over the COUNT segments (1, 2, 4 or 8) as the pipelined loop: each segment's fp32
     partial from zero, folded like a binary counter by selects."""
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -91,7 +91,7 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     root = _segment_tree(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                        SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+                         SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
     out_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
              mask=(out_rows < M)[:, None] & col_ok[None, :])
