@@ -50,39 +50,6 @@ def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_
 
 
 @triton.jit
-def _segment_tree(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                  COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
-                  NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
-    """The pairwise tree over the COUNT segments (1, 2, 4 or 8) as the pipelined loop: each segment's fp32
-    partial from zero, folded like a binary counter by selects."""
-    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, COUNT):
-        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn,
-                       stride_bk, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
-        v1 = p1 + acc
-        v2 = p2 + v1
-        if COUNT >= 8:  # (a level the tree lacks keeps no live partial)
-            p8 = tl.where(s % 8 == 7, p4 + v2, p8)
-        if COUNT >= 4:
-            p4 = tl.where(s % 8 == 3, v2, p4)
-        if COUNT >= 2:
-            p2 = tl.where(s % 4 == 1, v1, p2)
-        p1 = tl.where(s % 2 == 0, acc, p1)
-    if COUNT == 1:
-        root = p1
-    elif COUNT == 2:
-        root = p2
-    elif COUNT == 4:
-        root = p4
-    else:
-        root = p8
-    return root
-
-
-@triton.jit
 def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
               stride_cn, HAS_IDX: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -90,8 +57,30 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
     a_rows, row_ok = gather_rows(A_IDX, tile, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    root = _segment_tree(A, B, a_rows, row_ok, cols, col_ok, SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                         SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SEGMENTS):
+        acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
+                       BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+        v1 = p1 + acc
+        v2 = p2 + v1
+        if SEGMENTS >= 8:  # (a level the tree lacks keeps no live partial)
+            p8 = tl.where(s % 8 == 7, p4 + v2, p8)
+        if SEGMENTS >= 4:
+            p4 = tl.where(s % 8 == 3, v2, p4)
+        if SEGMENTS >= 2:
+            p2 = tl.where(s % 4 == 1, v1, p2)
+        p1 = tl.where(s % 2 == 0, acc, p1)
+    if SEGMENTS == 1:
+        root = p1
+    elif SEGMENTS == 2:
+        root = p2
+    elif SEGMENTS == 4:
+        root = p4
+    else:
+        root = p8
     out_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
              mask=(out_rows < M)[:, None] & col_ok[None, :])
