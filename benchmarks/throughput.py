@@ -490,7 +490,8 @@ def _not_resumable(prev: dict, record: dict) -> str | None:
     if "results" not in prev:
         return "it predates workloads"
     old = prev.get("provenance") or {}
-    if (old.get("git"), old.get("versions")) != (provenance.git_state(), provenance.versions()):
+    same = provenance.same_code(old.get("git"), provenance.git_state())
+    if not same or old.get("versions") != provenance.versions():
         return "it ran from another source tree or other versions"
     diff = sorted(k for k, v in record.items() if prev.get(k) != v)
     return f"other arguments ({', '.join(diff)})" if diff else None

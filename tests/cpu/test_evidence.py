@@ -233,6 +233,32 @@ def test_a_planted_secret_never_reaches_an_evidence_file_or_log(tmp_path):
     assert problems(json.loads(first)["provenance"]) == [] and pv.read(log)["command"][1] == "-c"
 
 
+def test_same_code_follows_the_files_not_the_copys_git(tmp_path, monkeypatch):
+    """Two leases of a GPU host carry .git snapshots of different commits; the same files over both
+    are the same code (a run resumes across them), and a changed file or another claim is not."""
+    repo = _one_commit_repo(tmp_path)
+    old = _git(repo, "rev-parse", "HEAD")
+    (repo / "m.py").write_text("X = 2\n")
+    _git(repo, "commit", "-qam", "two")
+    new = _git(repo, "rev-parse", "HEAD")
+    a, b = tmp_path / "lease-a", tmp_path / "lease-b"
+    for lease, snapshot in ((a, old), (b, new)):
+        _git(tmp_path, "clone", "-q", str(repo), str(lease))
+        _git(lease, "checkout", "-q", snapshot)
+        (lease / "m.py").write_text("X = 2\n")  # the tree of `new` over each lease's .git
+    monkeypatch.setenv("TRUE_ON_POLICY_GIT_COMMIT", new)
+    first, second = pv.git_state(a), pv.git_state(b)
+    assert first != second and first["commit"] == old and second["commit"] == new
+    assert pv.same_code(first, second) and pv.same_code(second, first)
+    assert not pv.same_code(first, {**second, "claimed_commit": old})
+    (b / "m.py").write_text("X = 3\n")
+    assert not pv.same_code(first, pv.git_state(b))
+    no_source = {k: None for k in first}
+    assert not pv.same_code(first, no_source) and not pv.same_code(None, None)
+    assert pv.same_code({**no_source, "commit": new}, {**no_source, "commit": new})
+    assert not pv.same_code({**no_source, "commit": new}, {**no_source, "commit": old})
+
+
 def _git(repo, *args):
     return subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args],
                           check=True, capture_output=True, text=True).stdout.strip()

@@ -556,6 +556,11 @@ def test_resume_continues_a_cut_run_and_refuses_another(monkeypatch, tmp_path):
     assert throughput._not_resumable(prev, {**record, "new_tokens": 999}) == "other arguments (new_tokens)"
     assert throughput._not_resumable({**prev, "complete": True}, record) == "it is complete"
     assert throughput._not_resumable({"provenance": {}, "rows": []}, record) == "it predates workloads"
+    lease = {**prev["provenance"]["git"], "commit": "0" * 40, "dirty": True, "diff_sha256": "1" * 64}
+    assert throughput._not_resumable({**prev, "provenance": {**prev["provenance"], "git": lease}}, record) is None
+    other = {**prev["provenance"]["git"], "source_sha256": "2" * 64}
+    assert throughput._not_resumable({**prev, "provenance": {**prev["provenance"], "git": other}}, record) == (
+        "it ran from another source tree or other versions")
     with pytest.raises(SystemExit):
         throughput.main(["--resume", "--out", str(out)])
 

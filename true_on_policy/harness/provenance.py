@@ -110,6 +110,17 @@ def git_state(root: str | os.PathLike | None = None) -> dict:
     return state
 
 
+def same_code(a: dict | None, b: dict | None) -> bool:
+    """Whether two ``git_state()`` records describe the same code. With a source hash on both sides
+    that hash decides (with the claimed commit): a GPU host's copy carries a ``.git`` of its own, which
+    differs from one lease to the next although the files do not. Without one (an installed package),
+    the whole records must be equal."""
+    a, b = a or {}, b or {}
+    if a.get("source_sha256") and b.get("source_sha256"):
+        return (a["source_sha256"], a.get("claimed_commit")) == (b["source_sha256"], b.get("claimed_commit"))
+    return bool(a) and a == b
+
+
 def _diff_sha256(root: Path) -> str:
     h = hashlib.sha256(_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", *_OUTSIDE_EVIDENCE)
                        or b"<git diff failed>")
