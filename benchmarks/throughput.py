@@ -489,9 +489,7 @@ def _not_resumable(prev: dict, record: dict) -> str | None:
         return "it is complete"
     if "results" not in prev:
         return "it predates workloads"
-    old = prev.get("provenance") or {}
-    same = provenance.same_code(old.get("git"), provenance.git_state())
-    if not same or old.get("versions") != provenance.versions():
+    if not provenance.ran_here(prev.get("provenance")):
         return "it ran from another source tree or other versions"
     diff = sorted(k for k, v in record.items() if prev.get(k) != v)
     return f"other arguments ({', '.join(diff)})" if diff else None

@@ -121,6 +121,13 @@ def same_code(a: dict | None, b: dict | None) -> bool:
     return bool(a) and a == b
 
 
+def ran_here(prov: dict | None) -> bool:
+    """Whether the run that recorded ``prov`` imported the code and versions this process imports
+    (a partial run may then be continued, a finished phase reused)."""
+    prov = prov or {}
+    return same_code(prov.get("git"), git_state()) and prov.get("versions") == versions()
+
+
 def _diff_sha256(root: Path) -> str:
     h = hashlib.sha256(_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", *_OUTSIDE_EVIDENCE)
                        or b"<git diff failed>")
