@@ -61,3 +61,19 @@ def test_stress_bounded_rounds_take_the_cut_form_and_mixed_rounds_a_full_row_for
     kinds = [stress.ROUND_KINDS[r % len(stress.ROUND_KINDS)] for r in range(4)]
     weights = ["a", "b"] * 2
     assert {(w, k) for w, k in zip(weights, kinds, strict=True)} == {(w, k) for w in "ab" for k in ("mixed", "bounded")}
+
+
+def test_stress_refuses_an_unknown_contract_before_building_a_checkpoint(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    def no_build(*a, **k):
+        raise AssertionError("a checkpoint was built for an unknown contract")
+
+    monkeypatch.setattr(stress, "checkpoint_pair", no_build)
+    with pytest.raises(SystemExit) as e:
+        stress.main(["--contract", "qwen3_moe_no_such_contract", "--checkpoints", str(tmp_path),
+                     "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "qwen3_moe_no_such_contract" in err and "qwen3_moe_true_on_policy_v1" in err  # the known names listed
+    assert not list(tmp_path.iterdir())

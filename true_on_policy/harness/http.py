@@ -109,15 +109,15 @@ def samples(prompt: list[int], data, tag: str | None = None) -> list[dict]:
     return out
 
 
-def trainer(model_path: str):
-    """The patched transformers trainer on the GPU (the default contract)."""
+def trainer(model_path: str, contract: str | None = None):
+    """The patched transformers trainer on the GPU, under ``contract`` (None: the default contract)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from true_on_policy.trainer import patch_hf_model
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
-    patch_hf_model(model)
+    patch_hf_model(model, contract)
     return model
 
 

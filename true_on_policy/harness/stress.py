@@ -1,8 +1,10 @@
 """Parity stress over HTTP: truncated sampling in mixed, concurrent traffic, with weight updates.
 
-    python -m true_on_policy.harness.stress --geometry a3b6 [--tokens 50000] [--rounds 3] --out evidence/X.json
+    python -m true_on_policy.harness.stress --geometry a3b6 [--tokens 50000] [--rounds 3] [--contract NAME]
+        --out evidence/X.json
 
-One ``--true-on-policy`` server. Each round sends requests with random arrival times and lengths,
+One ``--true-on-policy`` server under ``--contract`` (the default contract if unset); the trainer
+recomputes under the same contract. Each round sends requests with random arrival times and lengths,
 drawn from a seeded generator: T in {1.0, 0.7}, top_p in {0.5, 0.8, 0.9, 0.95, 0.99}, top_k in
 {-1, 5, 20, 50}, min_p in {0, 0.05}, mixed with untruncated and greedy rows, shared prefixes and
 n = 4 groups. Rounds are of two kinds (``ROUND_KINDS``, cycled): in a ``mixed`` round some truncating
@@ -134,8 +136,9 @@ def run(args) -> dict:
     a, b = checkpoint_pair(args.geometry, args.checkpoints)
     vocab = spec_of(args.geometry)["vocab_size"]
     rng = random.Random(args.seed)
-    server = Server(a, "--random-seed", str(args.seed), "--cuda-graph-max-bs", "160",
-                    log=Path(args.out).with_suffix(".server.log"), mem=args.mem)
+    name = args.contract or DEFAULT_CONTRACT
+    server = Server(a, "--true-on-policy-contract", name, "--random-seed", str(args.seed),
+                    "--cuda-graph-max-bs", "160", log=Path(args.out).with_suffix(".server.log"), mem=args.mem)
     rounds, t0 = [], time.time()
     try:
         captured = manifest.captured_graphs(server.manifests())  # decode tiles chosen at start-up, if asked
@@ -159,7 +162,7 @@ def run(args) -> dict:
         mine = [(i, s) for i, rd in enumerate(rounds) if rd["weights"] == path for s in rd["samples"]]
         if not mine:
             continue
-        model = trainer(path)
+        model = trainer(path, name)
         rec = trainer_logprobs(model, [s for _, s in mine])
         del model
         torch.cuda.empty_cache()
@@ -183,7 +186,7 @@ def run(args) -> dict:
     exact = sum(r["exact"] for r in per_round)
     truncated = sum(r["truncated_tokens"] for r in per_round)
     cut = sum(r["truncated_tokens"] for r in per_round if 1 < r["top_k_bound"] <= TOP_WIDTH)
-    contract = get_contract(DEFAULT_CONTRACT)
+    contract = get_contract(name)
     return {"schema": SCHEMA, "contract": contract.name, "fingerprint": contract.fingerprint,
             "config": {"geometry": args.geometry, "spec": spec_of(args.geometry), "checkpoints": [a, b],
                        "rounds": args.rounds, "target_tokens": args.tokens, "workers": args.workers, "seed": args.seed,
@@ -207,8 +210,16 @@ def main(argv=None) -> int:
     p.add_argument("--mem", type=float, default=0.5, help="--mem-fraction-static of the server")
     p.add_argument("--checkpoints", default=os.environ.get("TRUE_ON_POLICY_CACHE", "/dev/shm/true_on_policy"),
                    help="where the two checkpoints are built")
+    p.add_argument("--contract", help="the server's and the trainer's contract (default: true_on_policy.DEFAULT_CONTRACT)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.contract is not None:  # an unknown name fails here, before any checkpoint is built
+        from true_on_policy.contract import UnknownContractError, get_contract
+
+        try:
+            get_contract(args.contract)
+        except UnknownContractError as e:
+            p.error(str(e))
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.stress", *argv])
