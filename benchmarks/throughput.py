@@ -20,7 +20,9 @@ of every variant runs before round r + 1 of any. A round runs ``--passes`` passe
 start, every pass, the medians and ratios (``results.py``), and ``complete``. ``--resume`` keeps the
 passes of an incomplete ``--out`` from the same source, versions and arguments and runs the rest;
 ``--time-budget S`` stops (exit 3) before a start, warm-up or pass that the run's earlier ones say
-would end after S seconds, so a time-limited call can be repeated until the run is complete.
+would end after S seconds, so a time-limited call can be repeated until the run is complete. Where
+the next start with its warm-up and first pass, or the next pass alone, is estimated at more than S
+itself, no call under S can run it: that stops with exit 4 and the estimate.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ VARIANTS = (*DEFAULT_VARIANTS, "stock_fi", "stock_flashinfer", "stock_auto", "tp
             "tpo_flat_pg")  # run when named
 OPTIONAL = ("stock_fi", "stock_flashinfer", "stock_eager_prefill", "stock_auto")  # a stock setting the host cannot start is recorded, left out
 EXIT_INCOMPLETE = 3
+EXIT_STALLED = 4  # the next step is estimated at more than the whole --time-budget
 PASS_MARGIN = 1.5  # --time-budget: a pass may take this much longer than the longest one so far
 
 
@@ -185,6 +188,7 @@ class Run:
         self.passes = {w: {v: [] for v in a.variants if runs(v, w)} for w in self.workloads}
         self.engines, self.starts, self.failed, self.mems, self.earlier = {}, [], {}, {}, []
         self.t0 = _now() if t0 is None else t0  # --time-budget counts from here
+        self.too_long: float | None = None  # a step that fits no call under --time-budget: its estimate
 
     def per_round(self, w: str) -> int:
         return self.a.passes or (wl.get(w).passes if self.a.one_engine else 1)
@@ -240,6 +244,13 @@ class Run:
     # its longest request's new tokens (the prefill counted in, so it errs long).
     def fits(self, seconds: float) -> bool:
         return self.a.time_budget is None or _now() - self.t0 + seconds <= self.a.time_budget
+
+    def step_fits(self, seconds: float) -> bool:
+        """``fits`` for a step no call can split (a start with its warm-up and first pass, a warm-up
+        with its pass, a pass): one longer than the whole budget is recorded in ``too_long``."""
+        if self.a.time_budget is not None and seconds > self.a.time_budget:
+            self.too_long = seconds
+        return self.fits(seconds)
 
     def start_estimate(self) -> float:
         return max((s.get("start_s") or 0.0 for s in self.starts), default=0.0)
@@ -311,7 +322,7 @@ def one_engine_rounds(run: Run) -> bool:
             todo = run.missing(v, r)
             if v in run.failed or not todo:
                 continue
-            if not run.fits(run.start_estimate() + run.warm_estimate(todo[0]) + run.pass_estimate(todo[0])):
+            if not run.step_fits(run.start_estimate() + run.warm_estimate(todo[0]) + run.pass_estimate(todo[0])):
                 return False
             if started and not run.fits(run.start_estimate() + run.round_estimate(v, r)):
                 return False
@@ -322,11 +333,11 @@ def one_engine_rounds(run: Run) -> bool:
                 continue
             try:
                 for w in todo:
-                    if not run.fits(run.warm_estimate(w) + run.pass_estimate(w)):
+                    if not run.step_fits(run.warm_estimate(w) + run.pass_estimate(w)):
                         return False
                     run.warm(var, w)
                     while len(run.passes[w][v]) < (r + 1) * run.per_round(w):
-                        if not run.fits(run.pass_estimate(w)):
+                        if not run.step_fits(run.pass_estimate(w)):
                             return False
                         run.add_pass(var, w)
                 if a.trace and r == a.repeats - 1:
@@ -353,7 +364,7 @@ def shared_gpu_rounds(run: Run) -> bool:
             for w in run.workloads:
                 for var in (x for x in variants if w in x.workloads):
                     while len(run.passes[w][var.name]) < (r + 1) * run.per_round(w):
-                        if not run.fits(run.pass_estimate(w)):
+                        if not run.step_fits(run.pass_estimate(w)):
                             return False
                         run.add_pass(var, w)
         for var in variants if a.trace else ():
@@ -428,6 +439,11 @@ def main(argv=None) -> int:
             run.resume_from(prev)
     (one_engine_rounds if a.one_engine else shared_gpu_rounds)(run)
     run.report(show=True)
+    if not run.complete() and run.too_long is not None:
+        print(f"STALLED: the next step is estimated at {run.too_long:.0f} s, more than the whole --time-budget of "
+              f"{a.time_budget} s, so no call under it can run it; run the same command with a larger --time-budget",
+              flush=True)
+        return EXIT_STALLED
     if not run.complete():
         print(f"INCOMPLETE: stopped by --time-budget {a.time_budget} s; run the same command again to continue",
               flush=True)

@@ -771,6 +771,38 @@ def test_the_time_budget_counts_the_checkpoint_build(monkeypatch, tmp_path):
         assert clock["t"] <= 150.0 and bool(starts) == ran  # after a 100 s build, the next start does not fit
 
 
+def test_a_step_longer_than_the_whole_budget_stops_with_its_estimate(monkeypatch, tmp_path, capsys):
+    """Stand-ins: 10 s a start, 20 ms a decode step. ``long`` not timed yet is estimated from the
+    slowest step seen: 4,096 steps x 20 ms x 1.5 = 123 s, more than a 100 s budget, so no call under
+    it can run one. The calls run what fits, then stop with exit 4 and the estimate instead of asking
+    for another call (which would run nothing); a budget that holds the step finishes the run."""
+    out = tmp_path / "t.json"
+    args = [*SPACE_ARGS, "--resume", "--out", str(out)]
+    for _ in range(20):
+        _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+        rc = throughput.main([*args, "--time-budget", "100"])
+        if rc != throughput.EXIT_INCOMPLETE:
+            break
+    assert rc == throughput.EXIT_STALLED
+    printed = capsys.readouterr().out
+    assert "STALLED: the next step is estimated at 131 s, more than the whole --time-budget of 100.0 s" in printed
+    d = json.loads(out.read_text())
+    assert not d["complete"] and not any(r["passes"] for r in d["results"]["long"]["rows"])
+    assert len(d["results"]["tail"]["rows"][0]["passes"]) == 2  # stock's shorter workloads ran
+    asked, starts, _ = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+    assert throughput.main([*args, "--time-budget", "100"]) == throughput.EXIT_STALLED and not asked
+    before = {w: {r["variant"]: len(r["passes"]) for r in res["rows"]} for w, res in d["results"].items()}
+    passes = []
+    for _ in range(20):
+        asked, _, _ = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds)
+        rc = throughput.main([*args, "--time-budget", "300"])
+        passes += [(v, c) for v, c in asked if c.startswith("pass")]
+        if rc != throughput.EXIT_INCOMPLETE:
+            break
+    assert rc == 0 and json.loads(out.read_text())["complete"]
+    assert len(passes) == len(set(passes)) == 3 * (3 + 3 + 2 + 2) + 3 - sum(sum(v.values()) for v in before.values())
+
+
 def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     """The engine record of an overlay variant holds each scheduler manifest's ``cuda_graph`` entry
     (the decode attention's chosen tiles and the seconds the choice took; ``tpo_fixed``: none, the fixed tile)."""
