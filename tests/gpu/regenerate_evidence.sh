@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefillchoice |
-#        prefilltiles | tilechoice | sampler | segsplit | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | tilechoice | sampler | segsplit | contracts | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, prefillchoice, prefilltiles, tilechoice, sampler and segsplit)
+#        prefillflat, prefillchoice, prefilltiles, tilechoice, sampler, segsplit and contracts)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -366,6 +366,18 @@ case $GROUP in
       --out "$E/bench-seg-split.json"
     run $P --mode tpo --trainer patched $V1 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-v1-a3b48-t1.0.json" ;;
+  contracts)  # issue 37's parity acceptance under both contracts: the 235B-A22B and Coder-480B-A35B layer shapes
+    # (2 layers each; mixed lengths plus a 4096-token prompt chunked at 2048, then 8 radix-cache hits) under v1 and under
+    # the flat default, and the truncation stress on h1536 (a geometry of our own) under each
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run python3 -m true_on_policy.harness.stress --geometry h1536 $V1 --out "$E/stress-truncation-h1536-v1.json"
+    for g in a22b2 a35b2; do
+      run $P --mode tpo --trainer patched $V1 --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
+        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-v1-$g-t1.0.json"
+      run $P --mode tpo --trainer patched --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
+        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-flat-$g-t1.0.json"
+    done
+    run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flat.json" ;;
   sampler)  # issue 37, the sampler's last change (an untruncated draw allocates no zeros: the row lse at z = 0 inside
     # the finish kernel, no greedy flags read when no row can be greedy): the sampling, truncation and token log-prob
     # GPU tests; the h1536 truncation stress; parity on the 235B-A22B layer shape and on the 48 layers (the issue's
