@@ -200,6 +200,8 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from true_on_policy.contract import known_contracts
+
     p = argparse.ArgumentParser(prog="python -m true_on_policy.harness.stress", description=__doc__.split("\n")[0])
     p.add_argument("--geometry", default="a3b6", help="a tiny_model geometry, or h1536 (this harness's own)")
     p.add_argument("--tokens", type=int, default=50_000, help="output tokens in all (at least)")
@@ -210,16 +212,10 @@ def main(argv=None) -> int:
     p.add_argument("--mem", type=float, default=0.5, help="--mem-fraction-static of the server")
     p.add_argument("--checkpoints", default=os.environ.get("TRUE_ON_POLICY_CACHE", "/dev/shm/true_on_policy"),
                    help="where the two checkpoints are built")
-    p.add_argument("--contract", help="the server's and the trainer's contract (default: true_on_policy.DEFAULT_CONTRACT)")
+    p.add_argument("--contract", choices=known_contracts(),  # an unknown name fails here, before any checkpoint
+                   help="the server's and the trainer's contract (default: true_on_policy.DEFAULT_CONTRACT)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.contract is not None:  # an unknown name fails here, before any checkpoint is built
-        from true_on_policy.contract import UnknownContractError, get_contract
-
-        try:
-            get_contract(args.contract)
-        except UnknownContractError as e:
-            p.error(str(e))
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.stress", *argv])
