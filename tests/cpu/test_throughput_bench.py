@@ -261,11 +261,13 @@ def test_stock_variants_differ_only_in_their_named_argument(monkeypatch):
     assert engines.runs("stock_fi", "qwen") and not engines.runs("stock_fi", "tail") and engines.runs("tpo", "long")
 
 
-def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt(monkeypatch):
+def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt(monkeypatch, tmp_path):
     """--http: tpo variants start ``launch.server --true-on-policy`` (with their contract), stock
     ones ``sglang.launch_server`` with the Engine's flags and no overlay in their environment; a
     pass posts every prompt as its own /generate request; the cache is emptied through
-    /flush_cache (a refusal reads as not flushed). A local stand-in answers."""
+    /flush_cache (a refusal reads as not flushed); each server's log is kept in the temporary
+    folder. A local stand-in answers."""
+    import tempfile
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -311,6 +313,7 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
     from true_on_policy import env
 
     monkeypatch.setenv(env.ENABLED.name, "1")  # the caller's shell has the overlay on
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the servers' logs land here, not in /tmp
     try:
         port = srv.server_address[1]
         for name in ("tpo_flat", "deterministic", "stock_fi"):
@@ -325,6 +328,8 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
     finally:
         srv.shutdown()
     (tpo_cmd, _), (det_cmd, det_env), (fi_cmd, _) = cmds
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"tpo-throughput-{n}-{port}.log"
+                                                          for n in ("deterministic", "stock_fi", "tpo_flat")]
     assert tpo_cmd[1:5] == ["-m", "launch.server", "--true-on-policy", "--true-on-policy-contract"]
     assert tpo_cmd[5] == engines.FLAT and tpo_cmd[tpo_cmd.index("--port") + 1] == str(port)
     assert det_cmd[1:3] == ["-m", "sglang.launch_server"] and "--enable-deterministic-inference" in det_cmd

@@ -155,8 +155,9 @@ case $GROUP in
   space|tailprofile)  # issue 37: the geometries of benchmarks/geometries.py (GEOMETRY=<name>: one of them; one run
     # each), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
-    # at a time, stock (its flashinfer sampling for qwen, and SGLang's own backend choice) against both contracts; a line stops before its time
-    # budget (TIME_BUDGET s, default 540) with exit 3 and "INCOMPLETE": run it again until the file is complete.
+    # at a time, stock (its flashinfer sampling for qwen, and SGLang's own backend choice) against both contracts, each
+    # line to the end; TIME_BUDGET=S (for time-limited calls) stops a line before a step that would end after S seconds,
+    # with exit 3 and "INCOMPLETE": run it again until the file is complete.
     # WORKLOADS / VARIANTS narrow a space or tailprofile run (the file records what ran), SPACE_TAG names its file
     # throughput-space-<g>-<tag>.json (a run at new code beside an earlier file).
     # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
@@ -171,7 +172,7 @@ case $GROUP in
       if [ "$GROUP" = space ]; then
         run $B/throughput.py --geometry "$g" --workload ${WORKLOADS:-plain qwen tail long} \
           --variants ${VARIANTS:-stock stock_fi stock_flashinfer stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
-          --http --make-room --resume --time-budget "${TIME_BUDGET:-540}" \
+          --http --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} \
           --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else
         run $B/op_profile.py --geometry "$g" --batches 1 4 16 64 --workload ${WORKLOADS:-plain qwen} \
