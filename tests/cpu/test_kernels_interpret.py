@@ -226,7 +226,7 @@ def test_interpreted_kernels(interpreted, script):
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
-def test_collective_forms_gloo_ranks_bitwise(ranks):
+def test_collective_forms_gloo_ranks_bitwise(ranks, tmp_path):
     """The kernels' collective forms on 2, 4 and 8 real processes (gloo, interpreted kernels)
     equal one process bitwise: row-parallel tree (all-gather form), MoE TP, EP and TP x EP,
     vocab-parallel log-probs. The two-GPU NCCL version is tests/gpu/test_kernels_dist_gpu.py;
@@ -234,6 +234,7 @@ def test_collective_forms_gloo_ranks_bitwise(ranks):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
     env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     env["OMP_NUM_THREADS"] = "1"
+    env["TMPDIR"] = str(tmp_path)  # torch.distributed.run's log folders go to the test's, not /tmp
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                         str(ROOT / "tests" / "cpu" / "interpreted" / "collectives_gloo.py")],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)

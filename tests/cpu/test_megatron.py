@@ -222,6 +222,7 @@ def _tp1_reference(meg, out):
 def _launch(path, ref, nproc, layouts):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(Path(ref).parent)  # the test's tmp_path: torch.distributed.run's log folders go there, not /tmp
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                         str(ROOT / "tests" / "cpu" / "megatron_gloo.py"), str(path), str(ref), *layouts],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)

@@ -339,7 +339,9 @@ def test_http_engine_runs_the_servers_users_run_and_sends_one_request_per_prompt
         "--cuda-graph-backend-prefill", "disabled", "--x-y"]
 
 
-def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch):
+def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch, tmp_path):
+    import tempfile
+
     from true_on_policy import DEFAULT_CONTRACT
     from true_on_policy.rollout import engine as eng_mod
 
@@ -349,6 +351,7 @@ def test_each_tpo_variant_runs_the_contract_it_is_recorded_under(monkeypatch):
     popen = []
     monkeypatch.setattr(engines.subprocess, "Popen", lambda cmd, **kw: popen.append(cmd) or None)
     monkeypatch.setattr(engines.HttpEngine, "_wait_up", lambda self, t: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the servers' logs land here, not in /tmp
     for name in (v for v in throughput.VARIANTS if v not in engines.STOCK_EXTRA):
         want = engines.variant_contract(name)["name"]
         assert want == engines.CONTRACTS.get(name, DEFAULT_CONTRACT)
