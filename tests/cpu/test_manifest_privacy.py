@@ -127,8 +127,11 @@ print("returned", flush=True)
 
 
 @pytest.mark.parametrize("mode", ["sigkill", "keep"])
-def test_launcher_folder_removed_at_exit_unless_kept(tiny_cache, mode):
-    r = run_py(_LAUNCH.replace("__MODE__", mode), env_extra={"TRUE_ON_POLICY_CACHE": tiny_cache})
+def test_launcher_folder_removed_at_exit_unless_kept(tiny_cache, tmp_path, mode):
+    # cuda.tile (imported with SGLang) makes a scratch folder that only a clean exit removes; the
+    # killed launcher's goes to tmp_path, not /tmp
+    r = run_py(_LAUNCH.replace("__MODE__", mode),
+               env_extra={"TRUE_ON_POLICY_CACHE": tiny_cache, "CUDA_TILE_TEMP_DIR": str(tmp_path / "cuda-tile")})
     lines = r.stdout.strip().splitlines()
     assert lines and lines[0].startswith("{"), r.stderr[-3000:]
     seen = json.loads(lines[0])
