@@ -256,6 +256,28 @@ ROW_TMA = ((DECODE_ROWS, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, 
 DOWN_TMA = ((DECODE_ROWS, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
             (None, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)))
 
+# Tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): o_proj and the MoE down projection as the
+# 2-segment tree s0 + s1 in the TMA kernels (SEGMENTS=2): each half of K its own fp32 K loop from zero
+# in BLOCK_K chunks, the halves added once. o_proj takes the "row" tiles (``tma_tiles``); a down
+# projection program keeps both halves' accumulators, so above the decode rows it takes 128 x 128
+# (DOWN_TMA's 128 x 256 would need 2 x 128 accumulator registers a thread). Each half runs the same
+# 16-wide MMA steps from its first column whatever the tile, so every tile computes the same bits,
+# and a TP-2 rank's plain loop over its half computes that half (GPU tier: test_halves_equal_tree).
+DOWN2_TMA = ((DECODE_ROWS, DOWN_TMA[0][1]),
+             (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)))
+
+
+def halves_tile(cfg: dict, k: int) -> dict | None:
+    """``cfg`` for the two-segment TMA form over a K of ``k``: itself where its BLOCK_K divides K / 2, else
+    the same tile with the widest of 128 and 64 under its BLOCK_K that does (chunks only group the 16-wide
+    MMA steps: the same bits); None where none does (the pointer kernels' tree forms then)."""
+    if k % 2:
+        return None
+    for bk in (cfg["BLOCK_K"], 128, 64):
+        if bk <= cfg["BLOCK_K"] and (k // 2) % bk == 0:
+            return cfg if bk == cfg["BLOCK_K"] else dict(cfg, BLOCK_K=bk)
+    return None
+
 
 def by_rows(tiles, rows: int) -> dict:
     """The tiles for ``rows`` rows: ``tiles`` itself when it is one tile, else the first entry of
@@ -426,14 +448,16 @@ def tma_tiles(role: str, rows: int, n: int, k: int, sms: int) -> dict:
 
 
 def grouped_tiles(role: str, tokens: int, slots: int, experts: int, n: int, k: int, sms: int) -> dict:
-    """The TMA tile of a grouped GEMM (gate/up: ``role="plain"``; the flat down projection: "down") of
+    """The TMA tile of a grouped GEMM (gate/up: ``role="plain"``; the flat down projection: "down"; the
+    two-segment one: "tree2", before ``halves_tile``) of
     ``tokens`` tokens routed to ``slots`` (token, expert) pairs over ``experts`` local experts:
     ``decode_tile`` over the experts in use (one program per expert block and column tile, looping
-    over the block's row tiles) where ``grouped_decode`` holds, else GROUPED_UP_TMA or DOWN_TMA."""
+    over the block's row tiles) where ``grouped_decode`` holds, else GROUPED_UP_TMA, DOWN_TMA or DOWN2_TMA."""
     if grouped_decode(tokens, slots, experts):
         used, per = expert_groups(slots, experts)
         return decode_tile(per, n, k, sms, used, looped=True)
-    return by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
+    return {"down": lambda: by_rows(DOWN_TMA, tokens), "tree2": lambda: by_rows(DOWN2_TMA, tokens)}.get(
+        role, lambda: GROUPED_UP_TMA)()
 
 
 def used_blocks(slots: int, experts: int) -> int:
@@ -564,10 +588,28 @@ def interpreted_dot(a, b, acc, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
     return acc
 
 
+@triton.jit
+def tma_k_loop(a_desc, b_desc, m0, n0, k0, k1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_F32: tl.constexpr, STEP: tl.constexpr):
+    """One fp32 accumulator from zero over K columns [k0, k1) in BLOCK_K chunks, k0 upward (a software-pipelined
+    loop; k1 - k0 a runtime multiple of BLOCK_K)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k1, BLOCK_K):
+        a = a_desc.load([m0, k])
+        b = b_desc.load([n0, k])
+        if DOT_F32:  # Triton's CPU interpreter (CPU tier only)
+            acc = interpreted_dot(a, b.T, acc, BLOCK_K, STEP)
+        else:
+            acc = tl.dot(a, b.T, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr = False,
-                       STEP: tl.constexpr = 16):
+                       STEP: tl.constexpr = 16, SEGMENTS: tl.constexpr = 1):
+    """SEGMENTS 1: one fp32 K loop. SEGMENTS 2 (tree width 2): each half of K its own fp32 K loop from
+    zero, the halves added once (s0 + s1: the 2-segment tree), so a TP-2 rank's half is the plain loop."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -576,14 +618,21 @@ def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.conste
     size_m = tl.minimum(n_m - first_m, GROUP)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        a = a_desc.load([pid_m * BLOCK_M, k])
-        b = b_desc.load([pid_n * BLOCK_N, k])
-        if DOT_F32:  # Triton's CPU interpreter (CPU tier only)
-            acc = interpreted_dot(a, b.T, acc, BLOCK_K, STEP)
-        else:
-            acc = tl.dot(a, b.T, acc)
+    if SEGMENTS == 2:
+        half = K // 2
+        acc = tma_k_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, half, BLOCK_M, BLOCK_N, BLOCK_K,
+                         DOT_F32, STEP)
+        acc = acc + tma_k_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, half, K, BLOCK_M, BLOCK_N,
+                               BLOCK_K, DOT_F32, STEP)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k])
+            b = b_desc.load([pid_n * BLOCK_N, k])
+            if DOT_F32:  # Triton's CPU interpreter (CPU tier only)
+                acc = interpreted_dot(a, b.T, acc, BLOCK_K, STEP)
+            else:
+                acc = tl.dot(a, b.T, acc)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
@@ -631,20 +680,24 @@ def _tma_ok(x, w, out) -> bool:
                                        and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
 
 
-def _launch_tma(x, w, out, cfg=None, dot_step: int | None = None):
+def _launch_tma(x, w, out, cfg=None, dot_step: int | None = None, segments: int = 1):
     """``dot_step``: under the interpreter, the K width of one rounding of ``interpreted_dot``
-    (default BLOCK_K)."""
+    (default BLOCK_K). ``segments`` 2: the two-segment tree (``halves_tile``: BLOCK_K divides K / 2)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cfg = dict(cfg or TMA["plain"])
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     m, k = x.shape
     n = w.shape[0]
+    if segments not in (1, 2) or (segments == 2 and (k % 2 or (k // 2) % bk)):
+        raise KernelLimitError(f"matmul (TMA): segments={segments} needs 1, or 2 with BLOCK_K {bk} dividing "
+                               f"K / 2 = {k / 2}")
     if m and n:
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
         _matmul_tma_kernel[grid](TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
                                  out, m, n, k, out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                 BLOCK_K=bk, GROUP=GROUP_M, DOT_F32=INTERPRETED, STEP=dot_step or bk, **cfg)
+                                 BLOCK_K=bk, GROUP=GROUP_M, DOT_F32=INTERPRETED, STEP=dot_step or bk,
+                                 SEGMENTS=segments, **cfg)
     return out
 
 
@@ -730,7 +783,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     ROW tiles whatever their local segment count, so a TP=8 rank's single segment is computed
     exactly like one of TP=1's eight. ``role`` ("plain", "lm_head", "router" or "row": o_proj at tree
     width 1) picks the TMA tiles of a plain GEMM (``tma_tiles``: at decode row counts from the
-    shape); every tile computes the same bits (GPU tier), the role only sets the speed."""
+    shape); every tile computes the same bits (GPU tier), the role only sets the speed. ``role="row"``
+    with a 2-segment tree (o_proj at tree width 2) takes the two-segment TMA form where ``halves_tile``
+    gives it a tile, the "row" tiles; the same bits as the pointer forms of the tree."""
     _check(x, w, "matmul")
     if w.dim() != 2:
         raise KernelLimitError(f"matmul: W must be [N, K], got {tuple(w.shape)}")
@@ -740,6 +795,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype=None, segments: int = 1, 
     cfg = _tiles(segments, tree, x.shape[1])
     if cfg is COLUMN and _tma_ok(x, w, out):
         return _launch_tma(x, w, out, tma_tiles(role, x.shape[0], w.shape[0], x.shape[1], sm_count(x)))
+    if cfg is not COLUMN and segments == 2 and role == "row" and _tma_ok(x, w, out):
+        two = halves_tile(tma_tiles("row", x.shape[0], w.shape[0], x.shape[1], sm_count(x)), x.shape[1])
+        if two is not None:
+            return _launch_tma(x, w, out, two, segments=2)
     if cfg is not COLUMN and plain_decode(x.shape[0]):
         cfg = tree_tiles(cfg, x.shape[0], w.shape[0], x.shape[1], sm_count(x))
     return _launch(x, w, out, None, None, x.shape[0], segments, cfg)
@@ -767,7 +826,9 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     Returns [P, N]; padding rows and unused blocks are left undefined (never read). Row p depends only on x[rows[p]]
     and w[expert]: never on how many rows its expert (or any other) received.
     ``role="down"`` with ``tokens`` (the MoE call's token count): a plain (tree-width-1) down
-    projection takes ``DOWN_TMA``'s tiles for that count (the same bits as every other tile).
+    projection takes ``DOWN_TMA``'s tiles for that count (the same bits as every other tile);
+    ``role="tree2"`` (segments 2, tree width 2's down projection) the two-segment TMA form where
+    ``halves_tile`` gives ``grouped_tiles``' tile one (else the tree forms below: the same bits).
     ``tokens`` and ``slots`` (the (token, expert) pairs the table was built from, ``align``'s T x k):
     where ``grouped_decode`` holds the TMA tiles follow ``grouped_tiles``, programs are launched only for
     the blocks the table can fill (``used_blocks``), one per block and column tile (its row tiles in
@@ -785,8 +846,12 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
 
     if rows.shape[0] % ALIGN or block_expert.shape[0] != rows.shape[0] // ALIGN:
         raise KernelLimitError(f"grouped_matmul: rows must be padded to {ALIGN} with one expert per {ALIGN}-row block")
-    if role not in ("plain", "down") or (role == "down" and tokens is None):
-        raise KernelLimitError(f"grouped_matmul: role must be 'plain' or 'down' (with tokens), got {role!r}, {tokens!r}")
+    if role not in ("plain", "down", "tree2") or (role != "plain" and tokens is None):
+        raise KernelLimitError(f"grouped_matmul: role must be 'plain', or 'down' or 'tree2' (with tokens), got "
+                               f"{role!r}, {tokens!r}")
+    if role == "tree2" and (segments != 2 or tree is False):
+        raise KernelLimitError(f"grouped_matmul: role 'tree2' is the 2-segment tree, got segments={segments}, "
+                               f"tree={tree}")
     if slots is not None and (tokens is None or triton.cdiv(slots, ALIGN) + w.shape[0] != rows.shape[0] // ALIGN):
         raise KernelLimitError(f"grouped_matmul: slots={slots} (tokens={tokens}) did not build a table of "
                                f"{rows.shape[0] // ALIGN} blocks over {w.shape[0]} experts")
@@ -797,7 +862,14 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     count, subtiles, seg = rows.shape[0], 1, False
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
     decode = grouped_decode(tokens, slots, w.shape[0])
-    if tma and decode:
+    halves = None
+    if role == "tree2" and grouped_tma.usable(x, w):
+        halves = halves_tile(grouped_tiles(role, tokens, slots, w.shape[0], n_out, k, sm_count(x)), k)
+    if halves is not None:
+        cfg, tma = halves, True
+        if decode:
+            count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
+    elif tma and decode:
         cfg = grouped_tiles(role, tokens, slots, w.shape[0], n_out, k, sm_count(x))
         count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
     elif tma:
@@ -817,7 +889,8 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
     if tma:
-        return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles, glu=glu)
+        return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles, glu=glu,
+                                  segments=1 if halves is None else 2)
     if seg:
         return seg_tree.launch(x, w, out, rows, block_expert, count, segments, cfg, subtiles=subtiles)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)

@@ -156,6 +156,9 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, group=None, out_dtype=None, wid
     segments = segments_for(world_size(group), x.shape[1], width)
     if segments == 1 and world_size(group) == 1:  # V = 1: no tree, the plain GEMM
         return matmul(x, w, out_dtype or x.dtype, role="row")
+    if segments == 2 and world_size(group) == 1 and not INTERPRETED:
+        # V = 2: the two-segment TMA form where it applies (else matmul's pointer tree forms), root rounded once
+        return matmul(x, w, out_dtype or x.dtype, segments=2, tree=True, role="row")
     if world_size(group) == 1 and not INTERPRETED:
         # the whole tree here: the tree kernel rounds the root itself (round to nearest even, as
         # torch's cast; GPU tier: test_row_linear_rounds_like_a_cast), no separate cast pass.

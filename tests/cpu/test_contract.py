@@ -125,6 +125,26 @@ def test_flat_contract_is_v1_at_tree_width_1():
     assert dict(flat.layouts.trainer)["tp"].startswith("1") and dict(flat.layouts.trainer)["expert_tp"].startswith("1")
 
 
+W2 = "qwen3_moe_true_on_policy_w2_preview_v1"
+
+
+def test_w2_preview_is_v1_at_tree_width_2():
+    """The width-2 preview changes only the tree width, the two ops it names and the trainer degrees
+    that width allows (TP and expert-TP 1 or 2); v1 and the flat contract keep their fingerprints."""
+    from true_on_policy.contract import contract_status
+
+    v1, w2 = get_contract(NAME), get_contract(W2)
+    assert w2.tree_width == 2 and w2.to_dict()["tree_width"] == 2 and contract_status(W2) == "preview"
+    assert Contract.from_json(w2.canonical_json()) == w2 and w2.fingerprint not in (v1.fingerprint, FLAT_FINGERPRINT)
+    changed = {a.op for a, b in zip(v1.numerics, w2.numerics, strict=True) if a != b}
+    assert changed == {"row_linear_tp_reduce", "moe_experts"}
+    assert all("tree width 2" in n.reduction_order + " ".join(n.rounding) for n in w2.numerics if n.op in changed)
+    assert w2.args == v1.args and w2.env == v1.env and w2.layouts.rollout_tp == v1.layouts.rollout_tp == (1,)
+    trainer = dict(w2.layouts.trainer)
+    assert trainer["tp"].startswith("1 or 2") and trainer["expert_tp"].startswith("1 or 2")
+    assert get_contract(FLAT).fingerprint == FLAT_FINGERPRINT and "preview" in w2.notes[-1].lower()
+
+
 @pytest.mark.parametrize("width, tp, why", [(3, (1,), "tree_width must be 1, 2, 4 or 8"),
                                             (2, (1, 2, 4), "do not divide tree_width 2")])
 def test_tree_width_is_validated(width, tp, why):

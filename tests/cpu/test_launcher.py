@@ -115,7 +115,7 @@ def test_unknown_contract(tiny_cache):
     from true_on_policy.contract import known_contracts
 
     assert r.returncode == 2 and f"known contracts: {', '.join(known_contracts())}" in r.stderr
-    assert len(known_contracts()) == 5 and "qwen3_moe_true_on_policy_flat_pg_preview_v1" in r.stderr
+    assert len(known_contracts()) == 6 and "qwen3_moe_true_on_policy_w2_preview_v1" in r.stderr
 
 
 def test_dry_run_needs_true_on_policy():

@@ -6,6 +6,7 @@ Chain of equalities (bitwise unless said):
   Megatron TP1 == TP2 == TP2+SP == EP2 (data-parallel rows) == TP2+EP2+SP == PP2  (two gloo ranks)
   Megatron TP1 == PP2 with an uneven split (2 + 1 layers of a 3-layer model)  (two gloo ranks)
   Megatron TP1 == TP2xPP2 == TP2xPP2+SP  (four gloo ranks)
+  under the width-2 preview: patched HF == Megatron TP1 == TP2 == TP2+SP (two gloo ranks)
   HF -> Megatron shards (and stages) -> HF == the checkpoint (every layout), the export == the checkpoint
   gradients of every layout close to TP1's (the backward is a reference: not bitwise)
 """
@@ -76,6 +77,15 @@ def meg_v1(one_rank, hf):
     m = tm.build_model(hf.config)
     tm.load_hf(m, hf.state_dict())
     tm.patch_megatron_model(m, "qwen3_moe_true_on_policy_v1")
+    return m
+
+
+@pytest.fixture
+def meg_w2(one_rank, hf):
+    """At TP1 under the width-2 preview: the reference of its TP-2 layouts."""
+    m = tm.build_model(hf.config)
+    tm.load_hf(m, hf.state_dict())
+    tm.patch_megatron_model(m, "qwen3_moe_true_on_policy_w2_preview_v1")
     return m
 
 
@@ -237,6 +247,12 @@ def test_parallel_layouts_two_gloo_ranks(path, meg_v1, tmp_path):
     _launch(path, _tp1_reference(meg_v1, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp", "ep2", "tp2ep2sp", "pp2", "tp2flat"])
 
 
+def test_tree_width_2_tp2_two_gloo_ranks(path, meg_w2, tmp_path):
+    """Under the width-2 preview, TP2 and TP2+SP (expert TP 2: each rank one half of the tree) against
+    its own TP1, bitwise: a rank's root over its half, the two added in rank order, is the whole tree."""
+    _launch(path, _tp1_reference(meg_w2, tmp_path / "tp1.pt"), 2, ["tp2", "tp2sp"])
+
+
 def test_pipeline_tp2_pp2_four_gloo_ranks(path, meg_v1, tmp_path):
     """TP2 x PP2, with and without SP, on four processes against TP1 (under v1)."""
     _launch(path, _tp1_reference(meg_v1, tmp_path / "tp1.pt"), 4, ["tp2pp2", "tp2pp2sp"])
@@ -263,6 +279,42 @@ def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):
     tm.load_hf(m, ckpt)
     tm.patch_megatron_model(m)
     _launch(three, _tp1_reference(m, tmp_path / "tp1.pt"), 2, ["pp2u"])
+
+
+def test_w2_preview_tp1_equals_patched_hf_at_tree_width_2(path):
+    """Under the width-2 preview Megatron TP1 and the patched HF trainer both run at width 2 and agree
+    bitwise; the width reaches the ops (bound into Megatron's op set; v1's width 8 gives other bits. At
+    this tiny model's sizes widths 1 and 2 round to the same bf16 log-probs, so they are not compared)."""
+    from helpers import run_py
+
+    code = f"""
+import torch, torch.distributed as dist
+from megatron.core import parallel_state as ps
+from transformers import AutoModelForCausalLM
+from true_on_policy import megatron as tm, trainer
+from true_on_policy.kernels.tree_reduce import tree_width
+W2 = "qwen3_moe_true_on_policy_w2_preview_v1"
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+ps.initialize_model_parallel(1, 1)
+hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
+m = tm.build_model(hf.config)
+tm.load_hf(m, hf.state_dict())
+assert tm.patch_megatron_model(m, W2)["contract"] == W2 and tree_width() == 8
+trainer.patch_hf_model(hf, W2)
+g = torch.Generator().manual_seed(0)
+ids, mask = trainer.right_pad([torch.randint(0, 512, (n,), generator=g) for n in (33, 20, 9)])
+with torch.no_grad():
+    a, b = tm.token_logprobs(m, ids, mask), trainer.token_logprobs(hf, ids, mask)
+assert torch.equal(a, b), (a - b).abs().max()
+assert m._true_on_policy_state.ops.width == 2
+v1 = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
+trainer.patch_hf_model(v1, "qwen3_moe_true_on_policy_v1")
+with torch.no_grad():
+    assert not torch.equal(a, trainer.token_logprobs(v1, ids, mask))  # Megatron ran at width 2, not 8
+print("ok")
+"""
+    r = run_py(code, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
 def test_flat_contract_tp1_equals_patched_hf_at_tree_width_1(path):

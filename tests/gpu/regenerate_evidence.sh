@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefillchoice |
-#        prefilltiles | tilechoice | sampler | segsplit | contracts | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | tilechoice | sampler | segsplit | contracts | w2 | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, prefillchoice, prefilltiles, tilechoice, sampler, segsplit and contracts)
+#        prefillflat, prefillchoice, prefilltiles, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -379,6 +379,24 @@ case $GROUP in
         --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-flat-$g-t1.0.json"
     done
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flat.json" ;;
+  w2)  # issue 37, v1's bound: the width-2 preview (qwen3_moe_true_on_policy_w2_preview_v1: o_proj and the MoE down
+    # projection as two K halves added once, for trainers at TP / expert-TP 1 or 2): its two-segment TMA forms against
+    # the pointer kernels' tree and a TP-2 rank's halves, bitwise, at three geometries, and its batch invariance; parity
+    # on the 30B-A3B layer shape (6 layers) and on the 48 layers; the truncation stress on h1536 under it; a3b48's
+    # plain and tail cells, stock against v1 and the preview, and their prefill and decode profile (resumable)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    W2="--contract qwen3_moe_true_on_policy_w2_preview_v1"
+    run tier gpu-tier-w2 tests/gpu/test_kernels_gpu.py -k "halves_equal_tree or tree_width_2"
+    run $P --mode tpo --trainer patched $W2 --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-w2-a3b6-t1.0.json"
+    run python3 -m true_on_policy.harness.stress --geometry h1536 $W2 --out "$E/stress-truncation-h1536-w2.json"
+    run $P --mode tpo --trainer patched $W2 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-w2-a3b48-t1.0.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
+      --variants stock tpo_v1 tpo_w2 --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-w2.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --batches 1 4 16 64 \
+      --prefill 4096 --workload plain --variants stock tpo_v1 tpo_w2 --mem 0.85 --make-room --resume \
+      --out "$E/profile-tail-a3b48-w2.json" ;;
   sampler)  # issue 37, the sampler's last change (an untruncated draw allocates no zeros: the row lse at z = 0 inside
     # the finish kernel, no greedy flags read when no row can be greedy): the sampling, truncation and token log-prob
     # GPU tests; the h1536 truncation stress; parity on the 235B-A22B layer shape and on the 48 layers (the issue's

@@ -759,6 +759,93 @@ print("width1-ok")
     gpu_evidence.append({"test": "tree_width_1_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})
 
 
+@pytest.mark.parametrize("geometry", ["30b_a3b", "235b_a22b", "h1536e256k6"])
+def test_halves_equal_tree(geometry, gpu_evidence):
+    """Tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``) at a Qwen3-MoE layer's shapes: the
+    two-segment TMA forms (o_proj: every "row" candidate tile through ``halves_tile``; the MoE down
+    projection: DOWN2_TMA's tiles and the grouped decode grid's, one tile per program and the block
+    loop) == the pointer kernels' 2-segment tree (``split_matmul`` planes; ``seg_tree`` / ROW_FLAT),
+    bit for bit, at decode and prefill row counts; a TP-2 rank's plain loop over its half, the two
+    roots added in rank order, == the whole; ``row_linear`` at width 2 rounds the root as a cast."""
+    from true_on_policy.kernels import grouped_tma
+    from true_on_policy.kernels import matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    h, hq, _, d, e, top_k, inter = DECODE_GEOMETRIES[geometry]
+    g = _gen(sum(DECODE_GEOMETRIES[geometry]))
+    k = hq * d
+    x, wo = _randn(g, 4096, k), _randn(g, h, k, scale=0.02)
+    row_tiles = [c for c in (mm.halves_tile(c, k) for c in mm.candidate_tiles("row")) if c is not None]
+    assert row_tiles, "no o_proj tile divides K / 2"
+    for rows in (1, 7, 64, 257, 4096):
+        xr = x[:rows].clone()
+        want = mm.split_matmul(xr, wo, 2, torch.float32)
+        for cfg in row_tiles:
+            got = mm._launch_tma(xr, wo, torch.empty(rows, h, device="cuda"), cfg, segments=2)
+            _same(got, want, f"o_proj halves {cfg} rows={rows}")
+        half = k // 2
+        roots = [mm.split_matmul(xr[:, r * half:(r + 1) * half].contiguous(), wo[:, r * half:(r + 1) * half].contiguous(),
+                                 1, torch.float32) for r in range(2)]
+        _same(roots[0] + roots[1], want, f"o_proj TP-2 roots rows={rows}")
+        _same(row_linear(xr, wo, width=2), want.bfloat16(), f"row_linear(width=2) rows={rows}")
+    # the down projection: expert-grouped rows of a routed batch
+    w2 = _randn(g, e, h, inter, scale=0.02)
+    down_tiles = [c for c in (mm.halves_tile(c, inter) for c in mm.table_tiles(mm.DOWN2_TMA)
+                              + list(mm.DECODE_GRID.values())) if c is not None]
+    for t in (1, 16, 256, 4096):
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:top_k] for _ in range(t)]).int()
+        rows, be, _, own = align(ids, 0, e)
+        hx = _randn(g, rows.shape[0], inter)
+        used = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        want = mm.grouped_matmul(hx, w2, own, be, torch.float32, 2, tree=True)  # seg_tree or the pointer tree
+        for cfg in down_tiles:
+            for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
+                b = be.repeat_interleave(mm.ALIGN // (cfg["BLOCK_M"] * sub))
+                got = grouped_tma.launch(hx, w2, torch.empty_like(want), own, b, rows.shape[0], cfg, subtiles=sub,
+                                         segments=2)
+                _same(got[used], want[used], f"down halves {cfg} sub={sub} t={t}")
+        half = inter // 2
+        cfg = mm.halves_tile(mm.grouped_tiles("tree2", t, t * top_k, e, h, inter, mm.sm_count(hx)), inter)
+        b = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
+        roots = [grouped_tma.launch(hx[:, r * half:(r + 1) * half].contiguous(),
+                                    w2[:, :, r * half:(r + 1) * half].contiguous(), torch.empty_like(want), own, b,
+                                    rows.shape[0], cfg) for r in range(2)]
+        _same((roots[0] + roots[1])[used], want[used], f"down TP-2 roots t={t}")
+    gpu_evidence.append({"test": f"halves_eq_tree_{geometry}", "row_tiles": len(row_tiles), "down_tiles": len(down_tiles),
+                         "o_proj_rows": [1, 7, 64, 257, 4096], "down_tokens": [1, 16, 256, 4096]})
+
+
+def test_tree_width_2_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
+    """The width-2 preview's forms (in a fresh process: the width is set once per process) at the
+    30B-A3B shapes: o_proj and the MoE block give every row the same bits in a batch of 1, 7, 64,
+    256, 257, 1000 and 4096 rows (the decode tiles, the tables' bound), and both are the pointer
+    kernels' 2-segment tree."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from true_on_policy.kernels.matmul import split_matmul
+from true_on_policy.kernels.moe import moe
+from true_on_policy.kernels.tree_reduce import row_linear, use_tree_width
+use_tree_width(2)
+g = torch.Generator(device="cuda").manual_seed(12)
+r = lambda *s, sc=1.0: (torch.randn(*s, device="cuda", generator=g) * sc).bfloat16()
+x, wo = r(4096, 4096), r(2048, 4096, sc=0.02)
+full = row_linear(x, wo)
+assert torch.equal(full, split_matmul(x, wo, 2))
+xm, router, w13, w2 = r(4096, 2048), r(128, 2048, sc=0.05), r(128, 1536, 2048, sc=0.02), r(128, 2048, 768, sc=0.02)
+ym = moe(xm, router, w13, w2, 8)
+for n in (1, 7, 64, 256, 257, 1000):
+    assert torch.equal(row_linear(x[-n:].clone(), wo), full[-n:]), ("o_proj", n)
+    assert torch.equal(moe(xm[-n:].clone(), router, w13, w2, 8), ym[-n:]), ("moe", n)
+print("width2-ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "width2-ok" in r.stdout, r.stderr[-3000:]
+    gpu_evidence.append({"test": "tree_width_2_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})
+
+
 # Qwen3-MoE layer geometries (hidden, query heads, KV heads, head_dim, experts, top-k, moe_intermediate): 30B-A3B,
 # 235B-A22B and an odd one; the row counts cross the decode tiles' BLOCK_M steps and DECODE_ROWS
 DECODE_GEOMETRIES = {"30b_a3b": (2048, 32, 4, 128, 128, 8, 768), "235b_a22b": (4096, 64, 4, 128, 128, 8, 1536),

@@ -228,4 +228,5 @@ def _load_builtin() -> None:
         qwen3_moe_prefill_graphs_preview_v1,
         qwen3_moe_tp_preview_v1,
         qwen3_moe_v1,
+        qwen3_moe_w2_preview_v1,
     )
