@@ -21,7 +21,8 @@ math depends on V takes it as ``width=``; the trainers pass their contract's (``
 (``use_tree_width``, the one setter; 8 until then), unless a ``with set_tree_width(v):`` block
 overrides it (restored on exit, like batch_invariant_ops' ``set_batch_invariant_mode``).
 At V = 1 there is no tree: ``row_linear`` is ``matmul`` (one fp32 K loop, the column GEMM's tiles
-and bits) and TP of these layers is refused.
+and bits) and TP of these layers is refused. At V = 2 on one rank it is ``matmul``'s two-segment
+form (each half one fp32 K loop, added once; the pointer tree forms where no TMA tile fits).
 A ``group`` is a ``torch.distributed`` process group or an SGLang ``GroupCoordinator`` (whose
 collectives switch to its graph-capturable pynccl communicator inside CUDA-graph capture);
 either way only exact operations cross ranks: fp32 roots are gathered, never summed by NCCL.

@@ -804,13 +804,12 @@ def test_halves_equal_tree(geometry, gpu_evidence):
                 got = grouped_tma.launch(hx, w2, torch.empty_like(want), own, b, rows.shape[0], cfg, subtiles=sub,
                                          segments=2)
                 _same(got[used], want[used], f"down halves {cfg} sub={sub} t={t}")
-        half = inter // 2
-        cfg = mm.halves_tile(mm.grouped_tiles("tree2", t, t * top_k, e, h, inter, mm.sm_count(hx)), inter)
-        b = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
-        roots = [grouped_tma.launch(hx[:, r * half:(r + 1) * half].contiguous(),
-                                    w2[:, :, r * half:(r + 1) * half].contiguous(), torch.empty_like(want), own, b,
-                                    rows.shape[0], cfg) for r in range(2)]
+        half = inter // 2  # an expert-TP-2 rank's call (moe._expert_sorted at one segment): the plain grouped GEMM
+        roots = [mm.grouped_matmul(hx[:, r * half:(r + 1) * half].contiguous(), w2[:, :, r * half:(r + 1) * half].contiguous(),
+                                   own, be, torch.float32, 1, tree=False, tokens=t, slots=t * top_k) for r in range(2)]
         _same((roots[0] + roots[1])[used], want[used], f"down TP-2 roots t={t}")
+        got = mm.grouped_matmul(hx, w2, own, be, torch.float32, 2, tree=True, role="tree2", tokens=t, slots=t * top_k)
+        _same(got[used], want[used], f"down tree2 dispatch t={t}")  # the rollout's call at width 2
     gpu_evidence.append({"test": f"halves_eq_tree_{geometry}", "row_tiles": len(row_tiles), "down_tiles": len(down_tiles),
                          "o_proj_rows": [1, 7, 64, 257, 4096], "down_tokens": [1, 16, 256, 4096]})
 
