@@ -4,7 +4,8 @@ computes the bits of the form the rollout runs today (speed decides only among c
 the same bits).
 
     PYTHONPATH=.:$PYTHONPATH python benchmarks/gemm_sweep.py [--tokens 1 64 256 4096] \\
-        [--gemms down down_flat gate_up o_proj o_proj_flat qkv router lm_head qk_norm align combine] [--copies 1] \\
+        [--gemms down down_flat down_w2 gate_up o_proj o_proj_flat o_proj_w2 qkv router lm_head qk_norm align combine] \\
+        [--copies 1] \\
         [--dense-geometry NAME] [--moe-geometry NAME] [--out X.json]
 
 Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at random over 128
@@ -14,6 +15,10 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: other TMA tiles.
+- down_w2: the same GEMM at tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): reference the pointer
+  kernels' 2-segment tree (``grouped_matmul(segments=2, tree=True)``); candidates: the rollout's call
+  (``role="tree2"``) and the two-segment TMA form (``grouped_tma.launch(segments=2)``) at DOWN2_TMA's and the
+  gate/up TMA tiles (``matmul.halves_tile``).
 - gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: weights by TMA
   (``grouped_tma``), other pointer tiles.
 - o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
@@ -27,6 +32,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   N divided by N), so that the weights come from HBM as in the model's layer stack, not from the 50 MB L2.
   ``--dense-geometry NAME`` takes these three GEMMs' shapes from a geometry of ``benchmarks/geometries.py``,
   ``--moe-geometry NAME`` the MoE's (down, down_flat, gate_up: experts, top-k, hidden, moe_intermediate).
+- o_proj_w2: o_proj at tree width 2 (its shape from ``--dense-geometry``): reference ``split_matmul(segments=2)``;
+  candidates: the rollout's ``row_linear(width=2)`` and the two-segment TMA form at ROW_TMA's and DENSE's tiles.
 - o_proj also tries matmul's ROW_FLAT form (the tree folded inside one pipelined K loop, no fp32 planes) at several tiles,
   and planes of 2- or 4-segment subtrees (``split_matmul(per_plane=...)``: half or a quarter of
   the planes written and read back).
@@ -131,7 +138,7 @@ def _cases(gemm, t, g, w, mm, moe):
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.tree_reduce import row_linear
 
-    if gemm in ("down", "down_flat", "gate_up"):  # the MoE's shape: ``moe_shape`` of --moe-geometry
+    if gemm in ("down", "down_flat", "down_w2", "gate_up"):  # the MoE's shape: ``moe_shape`` of --moe-geometry
         e, top, hid, inter = (w["moe"][k] for k in ("experts", "top_k", "hidden", "inter"))
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].int()
         rows, be, _, own = moe.align(ids, 0, e)
@@ -165,6 +172,21 @@ def _cases(gemm, t, g, w, mm, moe):
             b = bexp(cfg["BLOCK_M"])
             return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg)
         return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
+    if gemm == "down_w2":  # tree width 2: the two-segment TMA form against the pointer kernels' 2-segment tree
+        h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
+        mask, slots = used & (own >= 0), t * top
+
+        def ref():
+            return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 2, tree=True)
+
+        def halves(cfg):
+            out = torch.empty(rows.shape[0], hid, dtype=torch.float32, device="cuda")
+            b = bexp(cfg["BLOCK_M"])
+            return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg, segments=2)
+        tiles = [c for c in (mm.halves_tile(c, inter) for c in mm.table_tiles(mm.DOWN2_TMA) + UP_TMA) if c is not None]
+        rollout = ("tree2 (the rollout's call)", {}, lambda: mm.grouped_matmul(
+            h, w["w2"], own, be, torch.float32, 2, tree=True, role="tree2", tokens=t, slots=slots))
+        return ref, [rollout] + [("halves", c, halves(c)) for c in tiles], mask, touched * hid * inter * 2
     if gemm == "gate_up":
         x = torch.randn(t, hid, device="cuda", generator=g).bfloat16()
         mask, n = used & (rows >= 0), 2 * inter
@@ -194,6 +216,17 @@ def _cases(gemm, t, g, w, mm, moe):
         planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
                   for pp in (1, 2, 4) for c in PLANE_TILES]
         return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2
+    if gemm == "o_proj_w2":  # tree width 2: the two-segment TMA form against split_matmul's 2-segment planes
+        k = w["o"].shape[1]
+        x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+
+        def halves(cfg):
+            out = torch.empty(t, w["o"].shape[0], dtype=torch.bfloat16, device="cuda")
+            return lambda: mm._launch_tma(x, w["o"], out, cfg, segments=2)
+        tiles = [c for c in (mm.halves_tile(c, k) for c in mm.table_tiles(mm.ROW_TMA) + DENSE) if c is not None]
+        rollout = ("row_linear (the rollout's call)", {}, lambda: row_linear(x, w["o"], width=2))
+        return (lambda: mm.split_matmul(x, w["o"], 2), [rollout] + [("halves", c, halves(c)) for c in tiles], None,
+                w["o"].numel() * 2)
     if gemm == "qk_norm":
         from true_on_policy.kernels.rmsnorm import rmsnorm_heads
 
@@ -338,8 +371,8 @@ def run(tokens, gemms, copies=1, dense_geometry=None, moe_geometry=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
-    ops = ("down", "down_flat", "gate_up", "o_proj", "o_proj_flat", "qkv", "router", "lm_head", "qk_norm", "align",
-           "combine")
+    ops = ("down", "down_flat", "down_w2", "gate_up", "o_proj", "o_proj_flat", "o_proj_w2", "qkv", "router", "lm_head",
+           "qk_norm", "align", "combine")
     ap.add_argument("--gemms", nargs="+", choices=ops, default=list(ops))
     ap.add_argument("--copies", type=int, default=1,
                     help="time qkv, router and o_proj_flat over this many copies of the weight (HBM, not L2)")

@@ -381,12 +381,15 @@ case $GROUP in
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flat.json" ;;
   w2)  # issue 37, v1's bound: the width-2 preview (qwen3_moe_true_on_policy_w2_preview_v1: o_proj and the MoE down
     # projection as two K halves added once, for trainers at TP / expert-TP 1 or 2): its two-segment TMA forms against
-    # the pointer kernels' tree and a TP-2 rank's halves, bitwise, at three geometries, and its batch invariance; parity
+    # the pointer kernels' tree and a TP-2 rank's halves, bitwise, at three geometries, and its batch invariance; the
+    # two GEMMs' time at 30B-A3B's layer shapes against v1's tree forms and the flat default's loop; parity
     # on the 30B-A3B layer shape (6 layers) and on the 48 layers; the truncation stress on h1536 under it; a3b48's
     # plain and tail cells, stock against v1 and the preview, and their prefill and decode profile (resumable)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     W2="--contract qwen3_moe_true_on_policy_w2_preview_v1"
     run tier gpu-tier-w2 tests/gpu/test_kernels_gpu.py -k "halves_equal_tree or tree_width_2"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down down_w2 down_flat o_proj o_proj_w2 \
+      o_proj_flat --tokens 64 512 4096 8192 --out "$E/bench-w2-gemms.json"
     run $P --mode tpo --trainer patched $W2 --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-w2-a3b6-t1.0.json"
     run python3 -m true_on_policy.harness.stress --geometry h1536 $W2 --out "$E/stress-truncation-h1536-w2.json"
     run $P --mode tpo --trainer patched $W2 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
