@@ -3,8 +3,10 @@ two-segment TMA forms of tree width 2 (o_proj: ``_launch_tma(segments=2)``; the 
 ``grouped_tma.launch(segments=2)``) compute s0 + s1, each half one 16-step K loop from zero, for every
 tile the launchers can give them (``halves_tile`` of the "row" tiles, DOWN2_TMA and the grouped decode
 tiles, with and without the block loop), batch-invariantly; each half is what the plain (1-segment)
-form computes over that half alone, so a TP-2 rank's root plus its sibling's is the whole; the
-launchers' dispatch (TMA taken as on Hopper) takes the form at width 2 only; bad arguments are refused."""
+form computes over that half alone, so a TP-2 rank's root plus its sibling's is the whole; at width 2
+the MoE block and row_linear as the CPU runs them (the pointer tree) are close to their width-2
+references, batch-invariant, and not width 8's bits; the launchers' dispatch (TMA taken as on Hopper)
+takes the two-segment form where a tile divides K / 2; bad arguments are refused."""
 import sys
 
 import torch
@@ -79,6 +81,29 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
                                          torch.empty(rows.shape[0], NG), rows, b, count, cfg, dot_step=16, subtiles=sub)
                       for r in range(2)]
             assert torch.equal((halves[0] + halves[1])[used], ref[used]), ("down halves", cfg, sub, t)
+
+# the block at width 2 through the launchers as the CPU runs them (no TMA: the pointer kernels' 2-segment tree):
+# close to its width-2 reference, batch-invariant, and the width reaches the down projection (its bits differ
+# from width 8's); row_linear likewise
+from helpers import random_moe  # noqa: E402
+from true_on_policy.kernels.moe import expert_outputs, moe, moe_reference  # noqa: E402
+from true_on_policy.kernels.tree_reduce import row_linear, row_linear_reference, set_tree_width  # noqa: E402
+
+xm, router, w13, wd = random_moe(g, 13, 8, 64, 128, router_scale=0.1, weight_scale=0.05)
+with set_tree_width(2):
+    y = moe(xm, router, w13, wd, 2)
+    torch.testing.assert_close(y.float(), moe_reference(xm, router, w13, wd, 2, acc=torch.float64).float(),
+                               rtol=2e-2, atol=2e-2)
+    for n in (1, 5, 12):
+        assert torch.equal(moe(xm[:n].clone(), router, w13, wd, 2), y[:n]), n
+    yr = row_linear(x, w, out_dtype=torch.float32)
+    torch.testing.assert_close(yr, row_linear_reference(x, w, torch.float32), rtol=1e-5, atol=1e-5)
+    for n in (1, 7, 33):
+        assert torch.equal(row_linear(x[:n].clone(), w, out_dtype=torch.float32), yr[:n]), n
+assert torch.equal(row_linear(x, w, out_dtype=torch.float32, width=2), yr)
+assert not torch.equal(row_linear(x, w, out_dtype=torch.float32, width=8), yr)  # the width reaches the kernels
+ids2 = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(13)]).int()
+assert not torch.equal(expert_outputs(xm, ids2, w13, wd, 0, 2, width=2), expert_outputs(xm, ids2, w13, wd, 0, 8, width=8))
 
 # the launchers' dispatch with TMA taken as on Hopper: width 2's forms where a tile divides K / 2
 grouped_tma.usable = lambda x, w: True
