@@ -259,12 +259,13 @@ DOWN_TMA = ((DECODE_ROWS, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4,
 # Tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): o_proj and the MoE down projection as the
 # 2-segment tree s0 + s1 in the TMA kernels (SEGMENTS=2): each half of K its own fp32 K loop from zero
 # in BLOCK_K chunks, the halves added once. o_proj takes the "row" tiles (``tma_tiles``); a down
-# projection program keeps both halves' accumulators, so above the decode rows it takes 128 x 128
-# (DOWN_TMA's 128 x 256 would need 2 x 128 accumulator registers a thread). Each half runs the same
-# 16-wide MMA steps from its first column whatever the tile, so every tile computes the same bits,
-# and a TP-2 rank's plain loop over its half computes that half (GPU tier: test_halves_equal_tree).
+# projection program keeps both halves' accumulators (DOWN_TMA's 128 x 256 would need 2 x 128
+# accumulator registers a thread), and above the decode rows it takes 64 x 128 in 4 warps, the
+# sweep's choice at 30B-A3B's layer (benchmarks/gemm_sweep.py --gemms down_w2). Each half runs the
+# same 16-wide MMA steps from its first column whatever the tile, so every tile computes the same
+# bits, and a TP-2 rank's plain loop over its half computes that half (GPU tier: test_halves_equal_tree).
 DOWN2_TMA = ((DECODE_ROWS, DOWN_TMA[0][1]),
-             (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)))
+             (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)))
 
 
 def halves_tile(cfg: dict, k: int) -> dict | None:

@@ -10,8 +10,8 @@ divides K / 2, and a TP-2 rank computes its half with the plain loop and the two
 rank order. Everything else (arguments, environment, rollout layouts, every other op) is v1's.
 Select it on both sides: ``--true-on-policy-contract qwen3_moe_true_on_policy_w2_preview_v1`` and
 ``patch_hf_model(model, contract=...)`` / ``patch_megatron_model(model, contract=...)``.
-Status: built and checked on the CPU (Triton's interpreter); its bits, parity and throughput are not
-yet measured on a GPU (docs/throughput.md lists the runs it needs).
+Status: preview. Its kernels, rollout parity and throughput are measured on one GPU (docs/evidence.md);
+a Megatron trainer at TP 2 on GPUs is not (checked on the CPU over gloo).
 """
 
 import dataclasses
