@@ -457,8 +457,11 @@ def grouped_tiles(role: str, tokens: int, slots: int, experts: int, n: int, k: i
     if grouped_decode(tokens, slots, experts):
         used, per = expert_groups(slots, experts)
         return decode_tile(per, n, k, sms, used, looped=True)
-    return {"down": lambda: by_rows(DOWN_TMA, tokens), "tree2": lambda: by_rows(DOWN2_TMA, tokens)}.get(
-        role, lambda: GROUPED_UP_TMA)()
+    if role == "down":
+        return by_rows(DOWN_TMA, tokens)
+    if role == "tree2":
+        return by_rows(DOWN2_TMA, tokens)
+    return GROUPED_UP_TMA
 
 
 def used_blocks(slots: int, experts: int) -> int:
@@ -593,7 +596,7 @@ def interpreted_dot(a, b, acc, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
 def tma_k_loop(a_desc, b_desc, m0, n0, k0, k1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                DOT_F32: tl.constexpr, STEP: tl.constexpr):
     """One fp32 accumulator from zero over K columns [k0, k1) in BLOCK_K chunks, k0 upward (a software-pipelined
-    loop; k1 - k0 a runtime multiple of BLOCK_K)."""
+    loop; columns past K are TMA's zero fill)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k0, k1, BLOCK_K):
         a = a_desc.load([m0, k])
@@ -626,14 +629,8 @@ def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.conste
         acc = acc + tma_k_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, half, K, BLOCK_M, BLOCK_N,
                                BLOCK_K, DOT_F32, STEP)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k])
-            b = b_desc.load([pid_n * BLOCK_N, k])
-            if DOT_F32:  # Triton's CPU interpreter (CPU tier only)
-                acc = interpreted_dot(a, b.T, acc, BLOCK_K, STEP)
-            else:
-                acc = tl.dot(a, b.T, acc)
+        acc = tma_k_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         DOT_F32, STEP)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
