@@ -281,10 +281,13 @@ def test_pipeline_uneven_split_two_gloo_ranks(path, one_rank, tmp_path):
     _launch(three, _tp1_reference(m, tmp_path / "tp1.pt"), 2, ["pp2u"])
 
 
-def test_w2_preview_tp1_equals_patched_hf_at_tree_width_2(path):
-    """Under the width-2 preview Megatron TP1 and the patched HF trainer both run at width 2 and agree
-    bitwise; the width reaches the ops (bound into Megatron's op set; v1's width 8 gives other bits. At
-    this tiny model's sizes widths 1 and 2 round to the same bf16 log-probs, so they are not compared)."""
+@pytest.mark.parametrize("contract, width", [("qwen3_moe_true_on_policy_flat_v1", 1),
+                                             ("qwen3_moe_true_on_policy_w2_preview_v1", 2)])
+def test_narrow_contract_tp1_equals_patched_hf_at_its_tree_width(path, contract, width):
+    """Under the flat contract (width 1) and the width-2 preview, Megatron TP1 and the patched HF trainer
+    both run at the contract's width (bound into their op sets; the process's width stays the default 8)
+    and agree bitwise; v1's width 8 gives other bits. (At this tiny model's sizes widths 1 and 2 round to
+    the same bf16 log-probs, so those two are not compared with each other.)"""
     from helpers import run_py
 
     code = f"""
@@ -293,58 +296,24 @@ from megatron.core import parallel_state as ps
 from transformers import AutoModelForCausalLM
 from true_on_policy import megatron as tm, trainer
 from true_on_policy.kernels.tree_reduce import tree_width
-W2 = "qwen3_moe_true_on_policy_w2_preview_v1"
+C = {contract!r}
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 ps.initialize_model_parallel(1, 1)
 hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
 m = tm.build_model(hf.config)
 tm.load_hf(m, hf.state_dict())
-assert tm.patch_megatron_model(m, W2)["contract"] == W2 and tree_width() == 8
-trainer.patch_hf_model(hf, W2)
+assert tm.patch_megatron_model(m, C)["contract"] == C and tree_width() == 8
+trainer.patch_hf_model(hf, C)
 g = torch.Generator().manual_seed(0)
 ids, mask = trainer.right_pad([torch.randint(0, 512, (n,), generator=g) for n in (33, 20, 9)])
 with torch.no_grad():
     a, b = tm.token_logprobs(m, ids, mask), trainer.token_logprobs(hf, ids, mask)
 assert torch.equal(a, b), (a - b).abs().max()
-assert m._true_on_policy_state.ops.width == 2
-v1 = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
-trainer.patch_hf_model(v1, "qwen3_moe_true_on_policy_v1")
-with torch.no_grad():
-    assert not torch.equal(a, trainer.token_logprobs(v1, ids, mask))  # Megatron ran at width 2, not 8
-print("ok")
-"""
-    r = run_py(code, timeout=600)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-
-
-def test_flat_contract_tp1_equals_patched_hf_at_tree_width_1(path):
-    """Under the flat contract Megatron TP1 and the patched HF trainer both run at width 1 (bound into
-    their op sets; the process's width stays the default 8) and agree bitwise."""
-    from helpers import run_py
-
-    code = f"""
-import torch, torch.distributed as dist
-from megatron.core import parallel_state as ps
-from transformers import AutoModelForCausalLM
-from true_on_policy import megatron as tm, trainer
-from true_on_policy.kernels.tree_reduce import tree_width
-FLAT = "qwen3_moe_true_on_policy_flat_v1"
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-ps.initialize_model_parallel(1, 1)
-hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
-m = tm.build_model(hf.config)
-tm.load_hf(m, hf.state_dict())
-assert tm.patch_megatron_model(m, FLAT)["contract"] == FLAT and tree_width() == 8
-trainer.patch_hf_model(hf, FLAT)
-g = torch.Generator().manual_seed(0)
-ids, mask = trainer.right_pad([torch.randint(0, 512, (n,), generator=g) for n in (33, 20, 9)])
-with torch.no_grad():
-    a, b = tm.token_logprobs(m, ids, mask), trainer.token_logprobs(hf, ids, mask)
-assert torch.equal(a, b), (a - b).abs().max()
+assert m._true_on_policy_state.ops.width == {width}
 hf8 = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16).eval()
 trainer.patch_hf_model(hf8, "qwen3_moe_true_on_policy_v1")
 with torch.no_grad():
-    assert not torch.equal(a, trainer.token_logprobs(hf8, ids, mask))  # Megatron ran at width 1, not 8
+    assert not torch.equal(a, trainer.token_logprobs(hf8, ids, mask))  # Megatron ran at the contract's width, not 8
 print("ok")
 """
     r = run_py(code, timeout=600)

@@ -727,36 +727,42 @@ def test_rmsnorm_heads_equals_rows(heads, d, gpu_evidence):
     gpu_evidence.append({"test": f"rmsnorm_heads_{heads}x{d}_eq_rows", "counts": COUNTS, "bitwise": True})
 
 
-def test_tree_width_1_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
-    """The flat contract's forms (tree width 1, in a fresh process: the width is set once per
-    process) at the 30B-A3B shapes: o_proj as the plain GEMM and the MoE block with its down
-    projection as one K loop give every row the same bits in a batch of 1, 7, 64, 256, 257, 1000
-    and 4096 rows (the tile tables switch tiles above 256 rows), and o_proj's bits are the column
-    GEMM's."""
+def _width_forms_batch_invariant(width: int, seed: int, whole: str, gpu_evidence):
+    """At tree width ``width`` (in a fresh process: the width is set once per process), at the 30B-A3B
+    shapes: o_proj (``row_linear``) and the MoE block give every row the same bits in a batch of 1, 7,
+    64, 256, 257, 1000 and 4096 rows (the tile tables switch tiles above 256 rows), and o_proj's whole
+    batch is ``whole`` (an expression of x and wo: the form the width's bits are defined by)."""
     import subprocess
     import sys
 
-    code = """
+    code = f"""
 import torch
-from true_on_policy.kernels.matmul import matmul
+from true_on_policy.kernels.matmul import matmul, split_matmul
 from true_on_policy.kernels.moe import moe
 from true_on_policy.kernels.tree_reduce import row_linear, use_tree_width
-use_tree_width(1)
-g = torch.Generator(device="cuda").manual_seed(11)
+use_tree_width({width})
+g = torch.Generator(device="cuda").manual_seed({seed})
 r = lambda *s, sc=1.0: (torch.randn(*s, device="cuda", generator=g) * sc).bfloat16()
 x, wo = r(4096, 4096), r(2048, 4096, sc=0.02)
 full = row_linear(x, wo)
-assert torch.equal(full, matmul(x, wo))
+assert torch.equal(full, {whole})
 xm, router, w13, w2 = r(4096, 2048), r(128, 2048, sc=0.05), r(128, 1536, 2048, sc=0.02), r(128, 2048, 768, sc=0.02)
 ym = moe(xm, router, w13, w2, 8)
 for n in (1, 7, 64, 256, 257, 1000):  # both sides of the tile tables' bound (matmul.DECODE_ROWS)
     assert torch.equal(row_linear(x[-n:].clone(), wo), full[-n:]), ("o_proj", n)
     assert torch.equal(moe(xm[-n:].clone(), router, w13, w2, 8), ym[-n:]), ("moe", n)
-print("width1-ok")
+print("width-ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "width1-ok" in r.stdout, r.stderr[-3000:]
-    gpu_evidence.append({"test": "tree_width_1_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})
+    assert r.returncode == 0 and "width-ok" in r.stdout, r.stderr[-3000:]
+    gpu_evidence.append({"test": f"tree_width_{width}_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})
+
+
+def test_tree_width_1_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
+    """The flat contract's forms (tree width 1) at the 30B-A3B shapes: o_proj as the plain GEMM and the
+    MoE block with its down projection as one K loop are batch-invariant across the tile tables'
+    bound, and o_proj's bits are the column GEMM's."""
+    _width_forms_batch_invariant(1, 11, "matmul(x, wo)", gpu_evidence)
 
 
 @pytest.mark.parametrize("geometry", ["30b_a3b", "235b_a22b", "h1536e256k6"])
@@ -815,34 +821,10 @@ def test_halves_equal_tree(geometry, gpu_evidence):
 
 
 def test_tree_width_2_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
-    """The width-2 preview's forms (in a fresh process: the width is set once per process) at the
-    30B-A3B shapes: o_proj and the MoE block give every row the same bits in a batch of 1, 7, 64,
-    256, 257, 1000 and 4096 rows (the decode tiles, the tables' bound), and both are the pointer
-    kernels' 2-segment tree."""
-    import subprocess
-    import sys
-
-    code = """
-import torch
-from true_on_policy.kernels.matmul import split_matmul
-from true_on_policy.kernels.moe import moe
-from true_on_policy.kernels.tree_reduce import row_linear, use_tree_width
-use_tree_width(2)
-g = torch.Generator(device="cuda").manual_seed(12)
-r = lambda *s, sc=1.0: (torch.randn(*s, device="cuda", generator=g) * sc).bfloat16()
-x, wo = r(4096, 4096), r(2048, 4096, sc=0.02)
-full = row_linear(x, wo)
-assert torch.equal(full, split_matmul(x, wo, 2))
-xm, router, w13, w2 = r(4096, 2048), r(128, 2048, sc=0.05), r(128, 1536, 2048, sc=0.02), r(128, 2048, 768, sc=0.02)
-ym = moe(xm, router, w13, w2, 8)
-for n in (1, 7, 64, 256, 257, 1000):
-    assert torch.equal(row_linear(x[-n:].clone(), wo), full[-n:]), ("o_proj", n)
-    assert torch.equal(moe(xm[-n:].clone(), router, w13, w2, 8), ym[-n:]), ("moe", n)
-print("width2-ok")
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "width2-ok" in r.stdout, r.stderr[-3000:]
-    gpu_evidence.append({"test": "tree_width_2_batch_invariance", "rows": [1, 7, 64, 256, 257, 1000, 4096]})
+    """The width-2 preview's forms at the 30B-A3B shapes: o_proj and the MoE block are batch-invariant
+    across the decode tiles and the tables' bound, and o_proj's bits are the pointer kernels' 2-segment
+    tree."""
+    _width_forms_batch_invariant(2, 12, "split_matmul(x, wo, 2)", gpu_evidence)
 
 
 # Qwen3-MoE layer geometries (hidden, query heads, KV heads, head_dim, experts, top-k, moe_intermediate): 30B-A3B,

@@ -15,7 +15,7 @@ kernels explicitly: the trainers bind it into their op sets; an SGLang scheduler
 
 import dataclasses
 
-from true_on_policy.contract import Layouts, OpNumerics, register
+from true_on_policy.contract import OpNumerics, register
 from true_on_policy.contract import qwen3_moe_v1 as v1
 
 NAME = "qwen3_moe_true_on_policy_flat_v1"
@@ -42,11 +42,8 @@ CONTRACT = register(dataclasses.replace(
     name=NAME,
     numerics=tuple(_REPLACED.get(op.op, op) for op in v1.NUMERICS),
     tree_width=1,
-    layouts=Layouts(
-        rollout_tp=(1,),
-        rollout_pp=(1,),
-        rollout_ep=(1,),
-        rollout_rules=v1.CONTRACT.layouts.rollout_rules,
+    layouts=dataclasses.replace(
+        v1.CONTRACT.layouts,
         trainer=(("tp", "1 (tree width 1: o_proj's K is not split)"), ("pp", "any"),
                  ("ep", "any (fixed-order combine after gathering the k outputs)"),
                  ("expert_tp", "1 (tree width 1: the down projection's K is not split)"),

@@ -16,7 +16,7 @@ a Megatron trainer at TP 2 on GPUs is not (checked on the CPU over gloo).
 
 import dataclasses
 
-from true_on_policy.contract import Layouts, OpNumerics, register
+from true_on_policy.contract import OpNumerics, register
 from true_on_policy.contract import qwen3_moe_v1 as v1
 
 NAME = "qwen3_moe_true_on_policy_w2_preview_v1"
@@ -42,11 +42,8 @@ CONTRACT = register(dataclasses.replace(
     name=NAME,
     numerics=tuple(_REPLACED.get(op.op, op) for op in v1.NUMERICS),
     tree_width=2,
-    layouts=Layouts(
-        rollout_tp=v1.CONTRACT.layouts.rollout_tp,
-        rollout_pp=v1.CONTRACT.layouts.rollout_pp,
-        rollout_ep=v1.CONTRACT.layouts.rollout_ep,
-        rollout_rules=v1.CONTRACT.layouts.rollout_rules,
+    layouts=dataclasses.replace(
+        v1.CONTRACT.layouts,
         trainer=(("tp", "1 or 2 (tree width 2)"), ("pp", "any"),
                  ("ep", "any (fixed-order combine after gathering the k outputs)"),
                  ("expert_tp", "1 or 2 (tree width 2)"),
