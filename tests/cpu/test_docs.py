@@ -97,3 +97,59 @@ def test_the_layering_names_every_module():
 def test_readme_and_changelog_cite_the_rendered_evidence():
     assert "docs/evidence.md" in (ROOT / "README.md").read_text()
     assert "docs/evidence.md" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def _space_run(geometry, started, rows, engines, fastest=None):
+    """A ``throughput-space-*`` file: rows {workload: [(variant, tok/s)]}, engines {variant: contract or None}."""
+    from true_on_policy.contract import get_contract
+
+    results = {}
+    for workload, vs in rows.items():
+        fast = fastest or max((v for v, _ in vs if v.startswith("stock")), key=lambda v: dict(vs)[v])
+        results[workload] = {"fastest_stock": fast, "rows": [
+            {"variant": v, "median": t, "ratio_vs_fastest_stock": None if t is None else t / dict(vs)[fast]}
+            for v, t in vs]}
+    eng = {v: {"contract": None if c is None else {"name": rv.PREFIX + c, "fingerprint": get_contract(rv.PREFIX + c).fingerprint}}
+           for v, c in engines.items()}
+    return {"provenance": _prov(started=started), "geometry": geometry, "results": results, "engines": eng}
+
+
+def test_the_space_table_takes_each_contracts_newest_run_and_counts_every_cell(tmp_path):
+    ev = tmp_path / "evidence"
+    _write(ev / "throughput-space-a3b48-old.json", _space_run(
+        "a3b48", "2026-01-01T00:00:00+00:00", {"plain": [("stock", 100.0), ("tpo", 80.0), ("tpo_v1", 85.0)]},
+        {"stock": None, "tpo": "flat_v1", "tpo_v1": "v1"}))
+    _write(ev / "throughput-space-a3b48-new.json", _space_run(
+        "a3b48", "2026-01-02T00:00:00+00:00",
+        {"plain": [("stock", 100.0), ("tpo", 93.0), ("tpo_tiles", 99.0)],
+         "qwen": [("stock", 90.0), ("tpo", 99.0)],                        # no stock_fi: not a qwen cell
+         "tail": [("stock", 50.0), ("tpo", 49.0), ("tpo_v1", 40.0)]},
+        {"stock": None, "tpo": "flat_v1", "tpo_tiles": "flat_v1", "tpo_v1": "flat_v1"}))  # tpo_v1 ran flat here
+    _write(ev / "throughput-space-h1536e256k6-q.json", _space_run(
+        "h1536e256k6", "2026-01-03T00:00:00+00:00",
+        {"qwen": [("stock", 80.0), ("stock_fi", 100.0), ("tpo", 96.0), ("tpo_v1", None)]},
+        {"stock": None, "stock_fi": None, "tpo": "flat_v1", "tpo_v1": "v1"}))
+    text = rv.render(tmp_path)
+    line = {tuple(c.strip() for c in ln.split("|")[1:3]): ln for ln in text.splitlines()
+            if ln.startswith("| ") and ln.split("|")[2].strip() in rv.SPACE_WORKLOADS}  # the space table's rows
+    plain = line["a3b48", "plain"].split("|")
+    assert "**0.93x** (93 / stock 100" in plain[3] and "new.json" in plain[3], plain  # the newest, not the best
+    assert "**0.85x**" in plain[4] and "old.json" in plain[4], plain                     # v1's newest is the old run
+    assert plain[5].strip() == "not run"
+    assert line["a3b48", "qwen"].split("|")[3].strip() == "not run"                      # stock_fi did not run
+    tail = line["a3b48", "tail"].split("|")
+    assert "**0.98x**" in tail[3] and tail[4].strip() == "not run"                        # tpo_v1 under flat is not v1
+    q = line["h1536e256k6", "qwen"].split("|")
+    assert "**0.96x** (96 / stock_fi 100" in q[3] and q[4].strip() == "not run"         # no median: not run
+    assert len(line) == len(rv.SPACE_GEOMETRIES) * len(rv.SPACE_WORKLOADS)
+    assert "- **default**: 2 at or over 0.95, 1 from 0.90 to under 0.95, 0 under 0.90, 17 not run (of 20 cells)." in text
+    assert "- **v1**: 0 at or over 0.95, 0 from 0.90 to under 0.95, 1 under 0.90, 19 not run (of 20 cells)." in text
+
+
+def test_the_space_table_spans_the_benchmarks_geometries_and_workloads(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import geometries
+    import workloads
+
+    assert tuple(geometries.SPACE) == rv.SPACE_GEOMETRIES
+    assert tuple(workloads.WORKLOADS) == rv.SPACE_WORKLOADS

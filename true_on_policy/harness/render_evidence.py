@@ -122,6 +122,80 @@ def throughput_rows(docs):
     return head, rows
 
 
+SPACE_GEOMETRIES = ("a3b48", "a22b_h200", "a35b_h200", "h3072e64k4", "h1536e256k6")  # benchmarks/geometries.SPACE
+SPACE_WORKLOADS = ("plain", "qwen", "tail", "long")  # benchmarks/workloads.WORKLOADS
+SPACE_CONTRACTS = (("default", "tpo", "flat_v1"), ("v1", "tpo_v1", "v1"), ("width-2 preview", "tpo_w2", "w2_preview_v1"))
+GOAL, FLOOR = 0.95, 0.90
+
+
+def space_cells(docs) -> dict:
+    """(geometry, workload, contract label) -> the newest run that measured it, as (started_at, ratio,
+    tok/s, fastest stock's variant and tok/s, rel, doc). A run counts for a contract when its variant
+    of that name ran under that contract; for ``qwen`` only when the run has flashinfer sampling's
+    stock (``stock_fi``), the faster stock there."""
+    cells = {}
+    for rel, d in docs:
+        if not Path(rel).name.startswith("throughput-space-") or d.get("geometry") not in SPACE_GEOMETRIES:
+            continue
+        engines = d.get("engines") or {}
+        started = str((d.get("provenance") or {}).get("started_at") or "")
+        for workload, res in (d.get("results") or {}).items():
+            rows = {r.get("variant"): r for r in (res or {}).get("rows") or []}
+            if workload == "qwen" and (rows.get("stock_fi") or {}).get("median") is None:
+                continue
+            stock = (res or {}).get("fastest_stock")
+            stock_row = rows.get(stock) or {}
+            for label, variant, contract in SPACE_CONTRACTS:
+                r = rows.get(variant) or {}
+                ran = (engines.get(variant) or {}).get("contract")
+                if r.get("median") is None or r.get("ratio_vs_fastest_stock") is None or not isinstance(ran, dict) \
+                        or ran.get("name") != PREFIX + contract:
+                    continue
+                key = (d["geometry"], workload, label)
+                if key not in cells or started > cells[key][0]:
+                    cells[key] = (started, r["ratio_vs_fastest_stock"], r["median"], stock, stock_row.get("median"),
+                                  rel, d, ran)
+    return cells
+
+
+def space_table(docs) -> list[str]:
+    """The issue's table: every geometry and workload of the space, each contract's newest cell."""
+    cells = space_cells(docs)
+    rows, counts = [], {label: [0, 0, 0, 0] for label, _, _ in SPACE_CONTRACTS}
+    for g in SPACE_GEOMETRIES:
+        for w in SPACE_WORKLOADS:
+            row = [g, w]
+            for label, _, _ in SPACE_CONTRACTS:
+                c = cells.get((g, w, label))
+                if c is None:
+                    row.append("not run")
+                    counts[label][3] += 1
+                    continue
+                _, ratio, tok, stock, stock_tok, rel, d, ran = c
+                counts[label][0 if ratio >= GOAL else 1 if ratio >= FLOOR else 2] += 1
+                commit = provenance_cells(d, rel)[0]
+                fp = "" if fingerprint(ran.get("name"), ran.get("fingerprint")) == str(ran.get("fingerprint"))[:8] \
+                    else ", old fingerprint"
+                row.append(f"**{ratio:.2f}x** ({tok:,.0f} / {stock} {number(stock_tok, ',.0f')}; {commit}{fp}, "
+                           f"[file](../{rel}))")
+            rows.append(row)
+    out = table(["geometry", "workload", *(label for label, _, _ in SPACE_CONTRACTS)], rows)
+    out += [""] + [f"- **{label}**: {n[0]} at or over {GOAL:.2f}, {n[1]} from {FLOOR:.2f} to under {GOAL:.2f}, "
+                   f"{n[2]} under {FLOOR:.2f}, {n[3]} not run (of {sum(n)} cells)." for label, n in counts.items()]
+    return out
+
+
+SPACE_NOTE = (
+    "Issue 37's table, rendered from the `throughput-space-*` files: for each geometry and workload of the "
+    "space (`benchmarks/geometries.py`, `benchmarks/workloads.py`), each contract's newest run (by its start "
+    "time), as the ratio to the fastest stock of that run, then the contract's tok/s, that stock and its tok/s, the "
+    "commit and the file. A contract's cell is its own variant (`tpo`, `tpo_v1`, `tpo_w2`) under that contract; "
+    "the runs of experiments (`tpo_tiles`, `tpo_qknr`, ...) do not count. A `qwen` cell counts only from a run "
+    "with flashinfer sampling's stock (`stock_fi`). Newest is not best: a cell moves about 3 % between runs, "
+    "and every run is in the next table. On h3072e64k4, stock's triton decode reads the wrong KV head at its "
+    "group of 20 ([stock-decode-groups.json](../evidence/stock-decode-groups.json)): speed only there.")
+
+
 def profile_rows(docs):
     head = ["geometry", "variant", "decode GPU µs/step (batch)", "prefill GPU µs (tokens)",
             "x stock (largest batch; prefill)", *TAIL]
@@ -313,6 +387,9 @@ def render(root: Path = ROOT) -> str:
         if not docs:
             continue
         head, rows = rows_of(docs)
+        if key == "throughput":
+            lines += ["", "## Throughput: the space, the newest cell of each contract", "", SPACE_NOTE, ""]
+            lines += space_table(docs)
         lines += ["", f"## {title}", ""]
         if key in NOTES:
             lines += [NOTES[key], ""]
