@@ -21,7 +21,8 @@ default), ``tpo_qknr`` names it explicitly (``TRUE_ON_POLICY_QK_NORM_ROPE=fused`
 runs the norm in launches of its own (``separate``); ``tpo`` runs the MoE's silu(gate) * up in a launch of its own
 (the default), ``tpo_silusep`` names it explicitly (``TRUE_ON_POLICY_MOE_SILU=separate``) and ``tpo_siluup``
 has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill attention's flat loop
-(``TRUE_ON_POLICY_PREFILL_LOOP=flat``) and ``tpo_pchoose`` the prefill tile timed at start-up (``choose``).
+(``TRUE_ON_POLICY_PREFILL_LOOP=flat``) and ``tpo_pchoose`` the prefill tile timed at start-up (``choose``);
+``tpo_v1_segtma`` is ``tpo_v1`` with the tree down projection's weights by TMA (``TRUE_ON_POLICY_SEG_TMA=tma``).
 ``TPO_ENV`` holds them: the same bits, speed only.
 """
 
@@ -34,7 +35,8 @@ import time
 
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
 CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
-             "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1", "tpo_w2": "qwen3_moe_true_on_policy_w2_preview_v1"}
+             "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1", "tpo_w2": "qwen3_moe_true_on_policy_w2_preview_v1",
+             "tpo_v1_segtma": "qwen3_moe_true_on_policy_v1"}
 TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant's environment (speed only)
            "tpo_fixed": {"TRUE_ON_POLICY_DECODE_TILES": "fixed"},
            "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"},
@@ -42,7 +44,8 @@ TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant'
            "tpo_silusep": {"TRUE_ON_POLICY_MOE_SILU": "separate"},
            "tpo_siluup": {"TRUE_ON_POLICY_MOE_SILU": "up"},
            "tpo_pflat": {"TRUE_ON_POLICY_PREFILL_LOOP": "flat"},
-           "tpo_pchoose": {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"}}
+           "tpo_pchoose": {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"},
+           "tpo_v1_segtma": {"TRUE_ON_POLICY_SEG_TMA": "tma"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

@@ -12,7 +12,9 @@ Inputs as the rollout sees them (random bf16, never zeros): T tokens routed at r
 experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 
 - down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
-  (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop).
+  (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop), with the weights by
+  pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
+  the token count: the decode tiles) with ``SEG_TMA`` off and on.
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: other TMA tiles.
 - down_w2: the same GEMM at tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): reference the pointer
@@ -119,7 +121,7 @@ NBLOCKS = [1024, 4096]  # align: slots scanned per step (the default, moe.NBLOCK
 def _tag(form, cfg):
     if "per_plane" in cfg:
         return f"{form} per_plane {cfg['per_plane']} " + _tag("", {k: v for k, v in cfg.items() if k != "per_plane"})[1:]
-    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg:
+    if "rows" in cfg or "hblock" in cfg or "nblock" in cfg or "SEG_TMA" in cfg:
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
@@ -155,11 +157,23 @@ def _cases(gemm, t, g, w, mm, moe):
         def ref():
             return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True)
 
-        def seg(cfg):
+        def seg(cfg, tma=False):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
-            return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg)
-        return ref, [("seg_tree", c, seg(c)) for c in SEG if st.fits(inter // 8, c["BK"])], mask, touched * hid * inter * 2
+            return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, tma=tma)
+
+        def rollout(tma):  # the MoE's call (decode tiles where grouped_decode holds), SEG_TMA off and on
+            def fn():
+                old, mm.SEG_TMA = mm.SEG_TMA, tma
+                try:
+                    return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True, tokens=t, slots=t * top)
+                finally:
+                    mm.SEG_TMA = old
+            return fn
+        fits = [c for c in SEG if st.fits(inter // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in fits] + [("seg_tree_tma", c, seg(c, True)) for c in fits]
+        cands += [("rollout", {"SEG_TMA": False}, rollout(False)), ("rollout", {"SEG_TMA": True}, rollout(True))]
+        return ref, cands, mask, touched * hid * inter * 2
     if gemm == "down_flat":  # tree width 1: the down projection as one plain grouped GEMM, fp32 out
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask = used & (own >= 0)

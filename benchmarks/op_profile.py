@@ -45,7 +45,8 @@ from engines import CONTRACTS, STOCK_EXTRA, TPO_ENV, stock_args  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 from workloads import QWEN_SAMPLING  # noqa: E402
 
-VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1", "tpo_w2", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose")
+VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1", "tpo_w2", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup",
+            "tpo_pflat", "tpo_pchoose", "tpo_v1_segtma")
 SAMPLING = {"plain": {}, "qwen": QWEN_SAMPLING}  # the workloads' per-request sampling
 
 

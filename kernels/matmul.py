@@ -765,6 +765,10 @@ def _check(x, w, name):
 
 FLAT_TREE = True  # tree GEMMs take ROW_FLAT where it applies (benchmarks and the GPU tier compare both)
 GROUPED_SEG = True  # grouped tree GEMMs take ROW_SEG where the segment splits into its chunks
+# On: those seg_tree launches fetch the weights through tensor descriptors where grouped_tma.usable holds
+# (the same MMA steps in the same order: the same bits; GPU tier: test_seg_tree_tma_equals_pointer).
+# TRUE_ON_POLICY_SEG_TMA=tma turns it on; benchmarks compare both (tpo_v1_segtma against tpo_v1).
+SEG_TMA = False
 
 
 def _tiles(segments: int, tree: bool | None, k: int = 0) -> dict:
@@ -890,5 +894,6 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles, glu=glu,
                                   segments=1 if halves is None else 2)
     if seg:
-        return seg_tree.launch(x, w, out, rows, block_expert, count, segments, cfg, subtiles=subtiles)
+        return seg_tree.launch(x, w, out, rows, block_expert, count, segments, cfg, subtiles=subtiles,
+                               tma=SEG_TMA and grouped_tma.usable(x, w))
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)

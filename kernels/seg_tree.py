@@ -40,10 +40,13 @@ from true_on_policy.kernels.matmul import gather_rows
 
 @triton.jit
 def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk, acc,
-           WIDTH: tl.constexpr, DOT_F32: tl.constexpr):
+           WIDTH: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr = False, n0=0):
     ks = k0 + tl.arange(0, WIDTH)
     a = tl.load(A + a_rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
-    b = tl.load(B + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=col_ok[None, :], other=0.0)
+    if TMA:  # B: a descriptor over the [E * N, K] view, box [BLOCK_N, WIDTH]; rows past N are never stored
+        b = B.load([n0, k0]).T
+    else:
+        b = tl.load(B + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=col_ok[None, :], other=0.0)
     if DOT_F32:  # interpreter: exact fp64 products and sums, rounded once per segment (below)
         return acc + tl.dot(a.to(tl.float64), b.to(tl.float64))
     return tl.dot(a, b, acc)
@@ -52,8 +55,10 @@ def _chunk(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_
 @triton.jit
 def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
               stride_cn, HAS_IDX: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr):
-    """Row tile ``tile`` times column tile ``pid_n``: the segments in order, the tree folded by selects."""
+              BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr, DOT_F32: tl.constexpr,
+              TMA: tl.constexpr = False, BT=None, n0=0):
+    """Row tile ``tile`` times column tile ``pid_n``: the segments in order, the tree folded by selects.
+    TMA: B and BT are descriptors (boxes of BK and BKT columns) and ``n0`` the tile's first weight row."""
     a_rows, row_ok = gather_rows(A_IDX, tile, M, HAS_IDX, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -63,7 +68,7 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
     p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, SEGMENTS):
         acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
-                       BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+                       BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, TMA, BT, n0)
         v1 = p1 + acc
         v2 = p2 + v1
         if SEGMENTS >= 8:  # (a level the tree lacks keeps no live partial)
@@ -90,7 +95,8 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
 def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                      stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
-                     BKT: tl.constexpr, DOT_F32: tl.constexpr, SUBTILES: tl.constexpr = 1):
+                     BKT: tl.constexpr, DOT_F32: tl.constexpr, SUBTILES: tl.constexpr = 1, TMA: tl.constexpr = False,
+                     BT=None):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUPED:
@@ -100,22 +106,27 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
         if SUBTILES == 1:
             if tl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
                 return
-        B += expert.to(tl.int64) * stride_be
+        if not TMA:
+            B += expert.to(tl.int64) * stride_be
+    n0 = pid_n * BLOCK_N
+    if GROUPED and TMA:
+        n0 += expert * N
     if SUBTILES == 1:
         _seg_tile(A, B, C, A_IDX, pid_m, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
-                  stride_cn, HAS_IDX, SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+                  stride_cn, HAS_IDX, SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, TMA, BT, n0)
     else:  # an expert block's tiles in order; its rows come first, padding after: the real rows are a prefix
         offs = pid_m * (SUBTILES * BLOCK_M) + tl.arange(0, SUBTILES * BLOCK_M)
         real = tl.sum((tl.load(A_IDX + offs, mask=offs < M, other=-1) >= 0).to(tl.int32), axis=0)
         for t in range(0, tl.cdiv(real, BLOCK_M)):
             _seg_tile(A, B, C, A_IDX, pid_m * SUBTILES + t, pid_n, M, N, SEG, stride_am, stride_ak, stride_bn,
-                      stride_bk, stride_cm, stride_cn, HAS_IDX, SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32)
+                      stride_bk, stride_cm, stride_cn, HAS_IDX, SEGMENTS, BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32,
+                      TMA, BT, n0)
 
 
 @triton.jit
 def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, stride_bn, stride_bk,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr, BKT: tl.constexpr,
-             DOT_F32: tl.constexpr):
+             DOT_F32: tl.constexpr, TMA: tl.constexpr = False, BT=None, n0=0):
     """One segment's fp32 partial from zero: NCH chunks of BK columns, then the BKT tail."""
     if DOT_F32:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
@@ -123,10 +134,10 @@ def _segment(A, B, a_rows, row_ok, cols, col_ok, k0, stride_am, stride_ak, strid
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.static_range(NCH):
         acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + c * BK, stride_am, stride_ak, stride_bn, stride_bk,
-                     acc, BK, DOT_F32)
+                     acc, BK, DOT_F32, TMA, n0)
     if BKT > 0:
-        acc = _chunk(A, B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak, stride_bn,
-                     stride_bk, acc, BKT, DOT_F32)
+        acc = _chunk(A, BT if TMA else B, a_rows, row_ok, cols, col_ok, k0 + NCH * BK, stride_am, stride_ak,
+                     stride_bn, stride_bk, acc, BKT, DOT_F32, TMA, n0)
     return acc.to(tl.float32)
 
 
@@ -157,13 +168,16 @@ def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
 
 
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False,
-           subtiles: int = 1):
+           subtiles: int = 1, tma: bool = False):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages (any other
     key is refused: the removed candidates' ``FOLD`` and ``INNER`` among them). ``subtiles``
     (grouped only): the BLOCK_M-row tiles of an expert block one program runs in turn, as many as
     hold real rows (block_expert [rows / (BLOCK_M x subtiles)]); ``rows`` may stop short of the
-    table (the blocks past it unused). Which program computes a tile changes none of its bits."""
+    table (the blocks past it unused). Which program computes a tile changes none of its bits.
+    ``tma``: the weight's chunks are fetched through tensor descriptors over its [E * N, K] view (w contiguous,
+    rows 16-byte aligned: ``grouped_tma.usable``) instead of pointer loads; the same MMA steps in the same
+    order, so the same bits (GPU tier: ``test_seg_tree_tma_equals_pointer``)."""
     if subtiles > 1 and block_expert is None:
         raise KernelLimitError("seg_tree: subtiles need an expert-grouped table")
     extra = set(cfg) - {"BLOCK_M", "BLOCK_N", "BK", "num_warps", "num_stages"}
@@ -173,11 +187,20 @@ def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, 
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
     grid = (triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]))
+    b, bt = w, None
+    if tma and rows and n:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if not w.is_contiguous() or (k * w.element_size()) % 16:
+            raise KernelLimitError(f"seg_tree: tma needs a contiguous weight with 16-byte rows, got {tuple(w.shape)}")
+        b = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], cfg["BK"]])
+        bt = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], tail]) if tail else b
     if rows and n:
         _seg_tree_kernel[grid](
-            x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
+            x, b, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
             out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,
             SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail,
-            DOT_F32=dot_f32, SUBTILES=subtiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            DOT_F32=dot_f32, SUBTILES=subtiles, TMA=tma, BT=bt, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     return out

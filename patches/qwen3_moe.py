@@ -23,7 +23,9 @@
    (exact), then every rank runs the same combine. SGLang's own MoE all-reduces are in the
    replaced method, so none of them runs. ``TRUE_ON_POLICY_MOE_SILU=up`` has the gate/up GEMM
    store silu(gate) * up where it runs on the TMA decode path (``kernels.moe.SILU_IN_UP``, the
-   same bits); unset or ``separate``, its own launch.
+   same bits); unset or ``separate``, its own launch. ``TRUE_ON_POLICY_SEG_TMA=tma`` fetches the
+   segment-tree down projection's weights through tensor descriptors (``kernels.matmul.SEG_TMA``, the
+   same bits); unset or ``pointer``, by pointer loads.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ QK_NORM = "sglang.srt.models.qwen3_moe.apply_qk_norm"
 QK_NORM_ROPE = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.apply_qk_norm_rope"
 QK_NORM_ROPE_MODES = ("separate", "fused")
 MOE_SILU_MODES = ("separate", "up")
+SEG_TMA_MODES = ("pointer", "tma")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -68,6 +71,13 @@ def moe_silu_mode() -> str:
     return env_choice(env.MOE_SILU, "separate", MOE_SILU_MODES,
                       "unset it or set it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'up' "
                       "(silu(gate) * up stored by the gate/up GEMM at decode)")
+
+
+def seg_tma_mode() -> str:
+    """TRUE_ON_POLICY_SEG_TMA: "pointer" (also when unset) or "tma"; anything else is refused."""
+    return env_choice(env.SEG_TMA, "pointer", SEG_TMA_MODES,
+                      "unset it or set it to 'pointer' (the segment-tree down projection's weights by pointer loads, "
+                      "the default) or 'tma' (by tensor descriptors)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:
@@ -137,6 +147,9 @@ def apply(policy) -> PatchRecord:
     from true_on_policy.kernels import moe
 
     moe.SILU_IN_UP = moe_silu_mode() == "up"
+    from true_on_policy.kernels import matmul
+
+    matmul.SEG_TMA = seg_tma_mode() == "tma"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -147,7 +160,9 @@ def apply(policy) -> PatchRecord:
                            "MoE block: kernels.moe.moe (router, grouped experts, fp32 slot-order combine; "
                            "MoE-TP tree roots gathered, EP slot outputs summed exactly); silu(gate) * up "
                            + ("stored by the gate/up GEMM at decode (TRUE_ON_POLICY_MOE_SILU=up)"
-                              if moe.SILU_IN_UP else "in its own launch"),
+                              if moe.SILU_IN_UP else "in its own launch")
+                           + ("; the segment-tree down projection's weights by TMA (TRUE_ON_POLICY_SEG_TMA=tma)"
+                              if matmul.SEG_TMA else ""),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

@@ -71,6 +71,14 @@ QK_NORM_ROPE = EnvVar(
     "when the patches install. Speed only: the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
+SEG_TMA = EnvVar(
+    "TRUE_ON_POLICY_SEG_TMA",
+    "'pointer' or unset fetches the weights of the segment-tree down projection (v1's MoE down projection, "
+    "kernels.seg_tree) by pointer loads; 'tma' fetches them through tensor descriptors (kernels.matmul.SEG_TMA, "
+    "Hopper+); any other value is refused when the patches install. Speed only: the same MMA steps in the same "
+    "order, the same bits (tests/gpu/test_kernels_gpu.py checks them)",
+)
+
 MOE_SILU = EnvVar(
     "TRUE_ON_POLICY_MOE_SILU",
     "'separate' or unset runs the MoE's silu(gate) * up in a launch of its own (kernels.moe.silu_mul); 'up' "

@@ -9,8 +9,9 @@
   (down) does not hold and with ``DECODE_TILES`` off they give the fixed tiles and launch exactly;
 - interpreted (TRITON_INTERPRET=1), every such tile (and plane split) computes the fixed tiles'
   bits: ``split_matmul``, ``matmul(tree=True)`` (ROW_FLAT and ROW) and ``seg_tree`` over the whole
-  table and as the decode path launches it (the block loop over ``used_blocks``' blocks), and the
-  launchers' dispatch gives the same bits with the switch on and off.
+  table and as the decode path launches it (the block loop over ``used_blocks``' blocks), ``seg_tree``
+  also with the weights by tensor descriptor (``tma``), and the launchers' dispatch gives the same bits
+  with the switches on and off (``grouped_matmul`` passes ``tma`` exactly when ``SEG_TMA`` is on).
 """
 
 import json
@@ -166,7 +167,7 @@ def test_where_they_do_not_apply_and_switched_off_the_fixed_tiles(monkeypatch):
 INTERPRETED = r"""
 import json, sys
 import torch
-from true_on_policy.kernels import matmul as mm, seg_tree as st
+from true_on_policy.kernels import grouped_tma as gt, matmul as mm, seg_tree as st
 from true_on_policy.kernels.moe import align
 
 tiles = json.load(open(sys.argv[1]))
@@ -213,14 +214,21 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
             b = be.repeat_interleave(mm.ALIGN // (cfg["BLOCK_M"] * sub))
             got = st.launch(xs, we, torch.full((p, ND), float("nan")), own, b, count, SD, cfg, dot_f32=True, subtiles=sub)
             assert torch.equal(got[used], ref[used]), ("seg_tree", cfg, sub, t, k, e)
+            got = st.launch(xs, we, torch.full((p, ND), float("nan")), own, b, count, SD, cfg, dot_f32=True, subtiles=sub,
+                            tma=True)  # the weights by tensor descriptor (TRUE_ON_POLICY_SEG_TMA=tma)
+            assert torch.equal(got[used], ref[used]), ("seg_tree tma", cfg, sub, t, k, e)
     # grouped_matmul's dispatch to seg_tree (taken as on a GPU, the interpreter's fp64 stand-in kept)
-    launch, mm.INTERPRETED = st.launch, False
-    st.launch = lambda *a, **kw: launch(*a, **dict(kw, dot_f32=True))
+    launch, mm.INTERPRETED, usable, tma = st.launch, False, gt.usable, []
+    st.launch = lambda *a, **kw: tma.append(kw["tma"]) or launch(*a, **dict(kw, dot_f32=True))
+    gt.usable = lambda x, w: True  # a Hopper GPU's answer
     for decode in (True, False):
         mm.DECODE_TILES = decode
-        got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
-        assert torch.equal(got[used], ref[used]), ("grouped_matmul", decode, t)
-    st.launch, mm.INTERPRETED, mm.DECODE_TILES = launch, True, False
+        for seg_tma in (False, True):
+            mm.SEG_TMA = seg_tma
+            got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
+            assert torch.equal(got[used], ref[used]), ("grouped_matmul", decode, seg_tma, t)
+            assert tma.pop() is seg_tma, ("the weights by TMA exactly when SEG_TMA is on", decode, seg_tma)
+    st.launch, mm.INTERPRETED, mm.DECODE_TILES, mm.SEG_TMA, gt.usable = launch, True, False, False, usable
 print("interpreted-ok")
 """
 

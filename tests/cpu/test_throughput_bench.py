@@ -831,3 +831,6 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     assert engines.TPO_ENV["tpo_pchoose"] == {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"}
     for v in ("tpo_tiles", "tpo_fixed", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose"):
         assert v in throughput.VARIANTS and engines.variant_contract(v) == engines.variant_contract("tpo")
+    assert engines.TPO_ENV["tpo_v1_segtma"] == {"TRUE_ON_POLICY_SEG_TMA": "tma"}  # v1 with the TMA tree down projection
+    assert "tpo_v1_segtma" in throughput.VARIANTS
+    assert engines.variant_contract("tpo_v1_segtma") == engines.variant_contract("tpo_v1")

@@ -3,11 +3,11 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | prefillchoice |
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
 #        prefilltiles | tilechoice | sampler | segsplit | contracts | w2 | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, prefillchoice, prefilltiles, tilechoice, sampler, segsplit, contracts and w2)
+#        prefillflat, segtma, prefillchoice, prefilltiles, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -327,6 +327,17 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry h1536e256k6 --workload plain tail \
       --variants stock tpo tpo_pflat --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-pflat.json" ;;
+  segtma)  # issue 37, v1: the tree down projection's weights by TMA (TRUE_ON_POLICY_SEG_TMA=tma, opt-in): its bits
+    # against the pointer form (every candidate tile, three geometries, decode and prefill counts); the down GEMM's
+    # times on a3b48's shape (both forms, every tile, and the rollout's call with the switch off and on); a3b48's plain
+    # and tail cells, tpo_v1 and tpo_v1_segtma alternated (resumable; VARIANTS="stock tpo_v1 tpo_v1_segtma" adds stock)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-seg-tma tests/gpu/test_kernels_gpu.py -k "seg_tree_tma"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down --tokens 1 4 16 64 512 4096 \
+      --out "$E/bench-seg-tma.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
+      --variants ${VARIANTS:-stock tpo_v1 tpo_v1_segtma} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http \
+      --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-segtma.json" ;;
   prefillchoice)  # issue 37: the prefill tile chosen at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose, opt-in): the
     # choice as the first graph capture runs it at four head layouts, its bits and every candidate's against the
     # default, with the decode choice's tests (the two share their graph timing); h1536e256k6's and a3b48's plain and

@@ -835,6 +835,49 @@ DECODE_COUNTS = [1, 2, 3, 7, 8, 16, 64, 255, 256, 257, 4096]
 
 
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
+    """``seg_tree`` with the weights by tensor descriptor (``tma``, TRUE_ON_POLICY_SEG_TMA=tma) computes the
+    pointer form's bits for the geometry's down projection under v1 (8 segments) and at a TP-2 rank's 4: every
+    candidate tile, one tile per program and the decode block loop, at decode and prefill token counts; and
+    ``grouped_matmul`` with ``SEG_TMA`` on gives what it gives off."""
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.seg_tree as st
+    from true_on_policy.kernels.moe import align
+
+    h, _, _, _, e, top_k, inter = DECODE_GEOMETRIES[geometry]
+    g = _gen(h + inter + 3)
+    checked = 0
+    for segments in (8, 4):
+        kd = inter * segments // 8
+        w2 = _randn(g, e, h, kd, scale=0.03)
+        for t in DECODE_COUNTS:
+            ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+            _, be, _, own = align(ids, 0, e)
+            p = own.shape[0]
+            hx = _randn(g, p, kd)
+            real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+            for cfg in mm.candidate_tiles("seg_tree"):  # ROW_SEG first
+                if not (st.fits(kd // segments, cfg["BK"]) and st.smem_ok(kd // segments, cfg)):
+                    continue
+                for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
+                    count = p if sub == 1 else mm.used_blocks(t * top_k, e) * mm.ALIGN
+                    bexp = be.repeat_interleave(mm.ALIGN // (cfg["BLOCK_M"] * sub))
+                    outs = [st.launch(hx, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, count,
+                                      segments, cfg, subtiles=sub, tma=tma) for tma in (False, True)]
+                    _same(outs[1][real], outs[0][real], f"{geometry} S={segments} tokens={t} tile {cfg} sub={sub}")
+                    checked += 1
+            api = []
+            for on in (False, True):
+                monkeypatch.setattr(mm, "SEG_TMA", on)
+                api.append(mm.grouped_matmul(hx, w2, own, be, torch.float32, segments, tree=True, tokens=t,
+                                             slots=t * top_k))
+            _same(api[1][real], api[0][real], f"{geometry} grouped_matmul S={segments} tokens={t} SEG_TMA on/off")
+    assert checked
+    gpu_evidence.append({"test": f"seg_tree_tma_eq_pointer_{geometry}", "tokens": DECODE_COUNTS, "segments": [8, 4],
+                         "launches": checked, "bitwise": True})
+
+
+@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
 def test_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
     """Every tile the plain TMA GEMMs can take (``matmul.candidate_tiles``: ``decode_tile``'s grid and
     the fixed tiles) computes the pointer kernel's bits for qkv, o_proj (tree width 1), the router

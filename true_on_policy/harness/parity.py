@@ -184,7 +184,7 @@ def run(args) -> dict:
     from true_on_policy.contract.policy import read_architectures
     from true_on_policy.patches.attention_backend import prefill_loop_mode
     from true_on_policy.patches.cuda_graph import decode_tiles_mode
-    from true_on_policy.patches.qwen3_moe import moe_silu_mode, qk_norm_rope_mode
+    from true_on_policy.patches.qwen3_moe import moe_silu_mode, qk_norm_rope_mode, seg_tma_mode
 
     model_path = args.model_path or tiny_model.ensure(args.geometry)
     cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -216,7 +216,8 @@ def run(args) -> dict:
                    "long_prompts": args.long_prompts, "long_len": args.long_len if args.long_prompts else None,
                    "prompt_lengths": [len(p) for p in all_prompts],
                    "chunked_prefill_size": args.chunked_prefill_size, "decode_tiles": decode_tiles_mode(),
-                   "qk_norm_rope": qk_norm_rope_mode(), "moe_silu": moe_silu_mode(), "prefill_loop": prefill_loop_mode(),
+                   "qk_norm_rope": qk_norm_rope_mode(), "moe_silu": moe_silu_mode(), "seg_tma": seg_tma_mode(),
+                   "prefill_loop": prefill_loop_mode(),
                    **trainer_info},
         "radix_followups": None if radix is None else {"count": len(radix["prompts"]),
                                                        "cached_tokens": radix["cached_tokens"]},
