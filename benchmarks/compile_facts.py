@@ -1,7 +1,7 @@
 """What ptxas makes of the segment-tree GEMM (``kernels/seg_tree.py``) for an H100/H200 (sm_90a), on any
 machine: no GPU is needed, only Triton's bundled ptxas and nvdisasm.
 
-    python benchmarks/compile_facts.py [--geometries a3b48 h1536e256k6] [--out evidence/compile-seg-tree.json]
+    python benchmarks/compile_facts.py [--geometries a3b48 ...] [--out evidence/compile-seg-tree.json]
 
 For each geometry's MoE down projection under v1 (8 segments of moe_intermediate / 8 columns) and each
 tile of ``kernels.matmul.candidate_tiles("seg_tree")`` that stages a segment in shared memory, it compiles
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     import geometries
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--geometries", nargs="+", default=["a3b48", "h1536e256k6"], choices=list(geometries.SPACE))
+    p.add_argument("--geometries", nargs="+", default=list(geometries.SPACE), choices=list(geometries.SPACE))
     p.add_argument("--segments", type=int, default=8)
     p.add_argument("--out", help="write the evidence here")
     a = p.parse_args(argv)
