@@ -834,6 +834,18 @@ DECODE_GEOMETRIES = {"30b_a3b": (2048, 32, 4, 128, 128, 8, 768), "235b_a22b": (4
 DECODE_COUNTS = [1, 2, 3, 7, 8, 16, 64, 255, 256, 257, 4096]
 
 
+def _down_rows(g, t, e, top_k, kd):
+    """The MoE down projection's input as the rollout builds it: t tokens routed to top_k of e experts at
+    random, ``moe.align``'s table (block experts, token of each row), a random bf16 row per table row and
+    the mask of the real rows."""
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+    _, be, _, own = align(ids, 0, e)
+    return be, own, _randn(g, own.shape[0], kd), (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+
+
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
 def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
     """``seg_tree`` with the weights by tensor descriptor (``tma``, TRUE_ON_POLICY_SEG_TMA=tma) computes the
@@ -842,7 +854,6 @@ def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
     ``grouped_matmul`` with ``SEG_TMA`` on gives what it gives off."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
-    from true_on_policy.kernels.moe import align
 
     h, _, _, _, e, top_k, inter = DECODE_GEOMETRIES[geometry]
     g = _gen(h + inter + 3)
@@ -851,11 +862,8 @@ def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
         kd = inter * segments // 8
         w2 = _randn(g, e, h, kd, scale=0.03)
         for t in DECODE_COUNTS:
-            ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
-            _, be, _, own = align(ids, 0, e)
+            be, own, hx, real = _down_rows(g, t, e, top_k, kd)
             p = own.shape[0]
-            hx = _randn(g, p, kd)
-            real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
             for cfg in mm.candidate_tiles("seg_tree"):  # ROW_SEG first
                 if not (st.fits(kd // segments, cfg["BK"]) and st.smem_ok(kd // segments, cfg)):
                     continue
@@ -998,7 +1006,6 @@ def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evid
     projection of the geometry at every row count; the launchers with and without DECODE_TILES too."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
-    from true_on_policy.kernels.moe import align
 
     h, hq, _, d, e, top_k, inter = DECODE_GEOMETRIES[geometry]
     g = _gen(h + e + segments)
@@ -1025,11 +1032,8 @@ def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evid
     kd = inter * segments // 8
     w2 = _randn(g, e, h, kd, scale=0.03)
     for t in DECODE_COUNTS:
-        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
-        _, be, _, own = align(ids, 0, e)
+        be, own, hx, real = _down_rows(g, t, e, top_k, kd)
         p = own.shape[0]
-        hx = _randn(g, p, kd)
-        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
         ref = st.launch(hx, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own,
                         be.repeat_interleave(mm.ALIGN // mm.ROW_SEG["BLOCK_M"]), p, segments, mm.ROW_SEG)[real]
         for cfg in mm.candidate_tiles("seg_tree"):
