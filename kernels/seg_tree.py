@@ -12,8 +12,10 @@ zero -- the same 16-wide MMA steps from the segment's first column upward as ``_
 32-wide chunks, so the same bits (GPU tier: ``test_seg_tree_equals_flat``). The tree is folded
 like a binary counter, without branches: after segment s,
     s % 2 == 0: p1 = y_s;   s % 4 == 1: p2 = p1 + y_s;   s % 8 == 3: p4 = p2 + (p1 + y_s);
-    s % 8 == 7: p8 = p4 + (p2 + (p1 + y_s))
-and the root is p_S. Invariance: row i depends only on row i of x (or of the gathered rows) and
+    s % 8 == 7: p4 = p4 + (p2 + (p1 + y_s))
+and the root is p_S, or p4 for 8 segments: the root takes the place of its left child, which is
+never read again, so three fp32 partials stay live beside the segment's accumulator, not four
+(``benchmarks/compile_facts.py`` counts the registers). Invariance: row i depends only on row i of x (or of the gathered rows) and
 on W; ``M`` is not specialised; the tile is ROW_SEG, or at decode token counts one of
 ``matmul.SEG_GRID`` (``matmul.seg_tiles``: from the shape, BK and the tail kept, the same bits), whose
 program may run an expert block's row tiles in turn (``SUBTILES``).
@@ -65,15 +67,14 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
     p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    p8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, SEGMENTS):
         acc = _segment(A, B, a_rows, row_ok, cols, col_ok, s * SEG, stride_am, stride_ak, stride_bn, stride_bk,
                        BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, TMA, BT, n0)
         v1 = p1 + acc
         v2 = p2 + v1
         if SEGMENTS >= 8:  # (a level the tree lacks keeps no live partial)
-            p8 = tl.where(s % 8 == 7, p4 + v2, p8)
-        if SEGMENTS >= 4:
+            p4 = tl.where(s % 8 == 7, p4 + v2, tl.where(s % 8 == 3, v2, p4))
+        elif SEGMENTS >= 4:
             p4 = tl.where(s % 8 == 3, v2, p4)
         if SEGMENTS >= 2:
             p2 = tl.where(s % 4 == 1, v1, p2)
@@ -82,10 +83,8 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
         root = p1
     elif SEGMENTS == 2:
         root = p2
-    elif SEGMENTS == 4:
-        root = p4
     else:
-        root = p8
+        root = p4
     out_rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     tl.store(C + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn, root.to(C.dtype.element_ty),
              mask=(out_rows < M)[:, None] & col_ok[None, :])
