@@ -328,11 +328,12 @@ case $GROUP in
       --variants stock tpo tpo_pflat --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-h1536e256k6-pflat.json" ;;
   segtma)  # issue 37, v1: the tree down projection's weights by TMA (TRUE_ON_POLICY_SEG_TMA=tma, opt-in): its bits
-    # against the pointer form (every candidate tile, three geometries, decode and prefill counts); the down GEMM's
+    # against the pointer form (every candidate tile, three geometries, decode and prefill counts), and the pointer
+    # form's (the three-partial fold) against ROW_FLAT's and the fixed tile's at every tile; the down GEMM's
     # times on a3b48's shape (both forms, every tile, and the rollout's call with the switch off and on); a3b48's plain
     # and tail cells, tpo_v1 and tpo_v1_segtma alternated (resumable; VARIANTS="stock tpo_v1 tpo_v1_segtma" adds stock)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    run tier gpu-tier-seg-tma tests/gpu/test_kernels_gpu.py -k "seg_tree_tma"
+    run tier gpu-tier-seg-tma tests/gpu/test_kernels_gpu.py -k "seg_tree_tma or seg_tree_equals_flat or tree_decode_tiles_equal_fixed"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down --tokens 1 4 16 64 512 4096 \
       --out "$E/bench-seg-tma.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
