@@ -37,12 +37,12 @@ class PatchError(RuntimeError):
 
 
 def env_choice(var, default: str, modes: tuple[str, ...], fix: str) -> str:
-    """The value of the switch ``var`` (an ``env.EnvVar``), stripped; ``default`` when unset or empty.
+    """The value of the switch ``var`` (an ``env.EnvVar``), stripped; ``default`` when unset, empty or blank.
     Any value outside ``modes`` is refused, naming the variable, its values and ``fix`` (a typo must
     not silently change what runs)."""
-    mode = (var.get("") or default).strip()
+    mode = (var.get("") or "").strip() or default
     if mode not in modes:
-        raise PatchError(f"{var.name}={mode!r} is not one of {', '.join(modes)}: {fix}")
+        raise PatchError(f"{var.name}={mode!r} is not one of {', '.join(map(repr, modes))}: {fix}")
     return mode
 
 

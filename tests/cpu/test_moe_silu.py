@@ -6,8 +6,8 @@
   off, at decode and prefill token counts, both tree widths, single-process and as one EP rank's
   expert outputs, and takes the GLU form exactly where ``glu_fusable`` holds;
 - ``grouped_matmul(glu=True)`` is refused off the TMA decode path, naming ``glu_fusable``;
-- the mode: 'separate' (also unset) or 'up', anything else refused naming the variable; the
-  patches set ``kernels.moe.SILU_IN_UP`` from it.
+- the patches set ``kernels.moe.SILU_IN_UP`` from the mode, 'separate' (also unset) or 'up' (its
+  parsing and the refusal of any other value: test_speed_switches.py).
 """
 
 import pytest
@@ -16,8 +16,6 @@ from helpers import run_py
 from true_on_policy.kernels import matmul as mm
 from true_on_policy.kernels import moe
 from true_on_policy.kernels.limits import KernelLimitError
-
-from true_on_policy.patching import PatchError
 
 INTERPRETED = r"""
 import torch
@@ -83,24 +81,6 @@ def test_the_glu_form_is_refused_off_the_tma_decode_path():
     assert not mm.glu_fusable(x, w13, 2, 4)  # no Hopper GPU here
     with pytest.raises(KernelLimitError, match="glu_fusable"):
         mm.grouped_matmul(x, w13, rows, be, tokens=2, slots=4, glu=True)
-
-
-@pytest.mark.parametrize("value", ["fused", "1", "UP", "off"])
-def test_a_moe_silu_value_outside_separate_and_up_is_refused_naming_the_variable(value, monkeypatch):
-    from true_on_policy.patches import qwen3_moe
-
-    monkeypatch.setenv("TRUE_ON_POLICY_MOE_SILU", value)
-    with pytest.raises(PatchError, match="TRUE_ON_POLICY_MOE_SILU") as e:
-        qwen3_moe.apply(None)
-    assert "'up'" in str(e.value) and repr(value.strip()) in str(e.value)
-
-
-@pytest.mark.parametrize("value,mode", [("", "separate"), ("separate", "separate"), (" up ", "up")])
-def test_the_moe_silu_modes(value, mode, monkeypatch):
-    from true_on_policy.patches import qwen3_moe
-
-    monkeypatch.setenv("TRUE_ON_POLICY_MOE_SILU", value)
-    assert qwen3_moe.moe_silu_mode() == mode
 
 
 APPLY = """

@@ -5,8 +5,8 @@
 (TRITON_INTERPRET=1) its q, k and cache rows are the separate path's bits (``rmsnorm_heads``, then
 the patched RoPE with SGLang's ``FusedSetKVBufferArg``), for a head in the norm's tile form and for
 one wider than it (normed in launches of its own first), and the attention is left to save the K/V
-exactly when nothing was written. 'separate' leaves the method as SGLang wrote it; any other value
-is refused as the patches install, naming the variable. The GPU tier checks the kernel's bits on
+exactly when nothing was written. 'separate' leaves the method as SGLang wrote it (the mode's parsing
+and the refusal of any other value: test_speed_switches.py). The GPU tier checks the kernel's bits on
 the device (test_kernels_gpu.py::test_qk_norm_in_the_rope_launch_is_rmsnorm_then_ropes_bits)."""
 
 import pytest
@@ -92,23 +92,3 @@ print('qknr-ok')
 def test_the_fused_qk_norm_rope_seam_gives_the_separate_paths_q_k_and_cache_rows(mode):
     r = run_py(CODE, {"TRITON_INTERPRET": "1", "TRUE_ON_POLICY_QK_NORM_ROPE": mode})
     assert r.returncode == 0 and "qknr-ok" in r.stdout, r.stderr[-4000:]
-
-
-@pytest.mark.parametrize("value", ["fuse", "1", "FUSED", "on"])
-def test_a_qk_norm_rope_value_outside_separate_and_fused_is_refused_naming_the_variable(value, monkeypatch):
-    from true_on_policy.patches import qwen3_moe
-
-    from true_on_policy.patching import PatchError
-
-    monkeypatch.setenv("TRUE_ON_POLICY_QK_NORM_ROPE", value)
-    with pytest.raises(PatchError, match="TRUE_ON_POLICY_QK_NORM_ROPE") as e:
-        qwen3_moe.apply(None)
-    assert "'fused'" in str(e.value) and repr(value.strip()) in str(e.value)
-
-
-@pytest.mark.parametrize("value,mode", [("", "fused"), ("separate", "separate"), (" fused ", "fused")])
-def test_the_qk_norm_rope_modes(value, mode, monkeypatch):
-    from true_on_policy.patches import qwen3_moe
-
-    monkeypatch.setenv("TRUE_ON_POLICY_QK_NORM_ROPE", value)
-    assert qwen3_moe.qk_norm_rope_mode() == mode

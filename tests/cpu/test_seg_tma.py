@@ -1,7 +1,7 @@
 """TRUE_ON_POLICY_SEG_TMA: the segment-tree down projection's weights through tensor descriptors.
 
-- the mode: 'pointer' (also unset) or 'tma', anything else refused naming the variable; the patches
-  set ``kernels.matmul.SEG_TMA`` from it and say so in their record;
+- the patches set ``kernels.matmul.SEG_TMA`` from the mode, 'pointer' (also unset) or 'tma', and say
+  so in their record (its parsing and the refusal of any other value: test_speed_switches.py);
 - ``seg_tree.launch(tma=True)`` refuses a weight TMA cannot describe (not contiguous).
 
 That the TMA form computes the pointer form's bits: interpreted in ``test_decode_tiles_tree.py``, on
@@ -13,27 +13,6 @@ import torch
 from helpers import run_py
 from true_on_policy.kernels import seg_tree
 from true_on_policy.kernels.limits import KernelLimitError
-
-from true_on_policy.patching import PatchError
-
-
-@pytest.mark.parametrize("value", ["1", "TMA ptr", "on", "descriptor"])
-def test_a_seg_tma_value_outside_pointer_and_tma_is_refused_naming_the_variable(value, monkeypatch):
-    from true_on_policy.patches import qwen3_moe
-
-    monkeypatch.setenv("TRUE_ON_POLICY_SEG_TMA", value)
-    with pytest.raises(PatchError, match="TRUE_ON_POLICY_SEG_TMA") as e:
-        qwen3_moe.apply(None)
-    assert "'tma'" in str(e.value) and repr(value.strip()) in str(e.value)
-
-
-@pytest.mark.parametrize("value,mode", [("", "pointer"), ("pointer", "pointer"), (" tma ", "tma")])
-def test_the_seg_tma_modes(value, mode, monkeypatch):
-    from true_on_policy.patches import qwen3_moe
-
-    monkeypatch.setenv("TRUE_ON_POLICY_SEG_TMA", value)
-    assert qwen3_moe.seg_tma_mode() == mode
-
 
 APPLY = """
 from true_on_policy.kernels import matmul
