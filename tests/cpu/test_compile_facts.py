@@ -1,11 +1,17 @@
 """benchmarks/compile_facts.py: what ptxas makes of ``seg_tree`` for sm_90a, on a machine without a GPU.
 
-A fresh compile of the row the docs lean on (a3b48's decode tile, 16 x 128 in the block loop of 8 row
-tiles, both weight fetches) gives the facts ``evidence/compile-seg-tree.json`` records, so the evidence is
-what this checkout's kernel and this Triton compile to.
+- A fresh compile of the row the docs lean on (a3b48's decode tile, 16 x 128 in the block loop of 8 row
+  tiles, both weight fetches) gives the facts ``evidence/compile-seg-tree.json`` records, so the evidence
+  is what this checkout's kernel and this Triton compile to.
+- The compiler keeps the tree's arithmetic as written, in Triton's IR (TTIR) and in its GPU IR (TTGIR, where
+  64-row tiles become warp-group MMAs): each segment's MMAs start from the zero tile and chain only through
+  the segment's own chunks, and the fold is the loop's three fp32 additions. Triton may rewrite
+  ``d + dot(a, b, 0)`` as ``dot(a, b, d)``, an MMA accumulating into ``d``, which rounds differently; the
+  CPU interpreter would never see it, the GPU's bits would.
 """
 
 import json
+import re
 import sys
 
 import pytest
@@ -29,3 +35,35 @@ def test_the_committed_compile_facts_are_what_this_checkout_compiles(compile_fac
         got = compile_facts.facts(compile_facts.seg_tree_kernel(row["tile"], row["segment"], row["segments"],
                                                                 row["subtiles"], form == "tma"))
         assert got == row[form], (form, got, row[form])
+
+
+# (segment, tile, subtiles, weights by descriptor): one, two (chunk and tail) and three chunks a segment,
+# the MMA-v2 tile in use at prefill, a warp-group tile, and a decode tile with its block loop
+TREE_FORMS = [(64, (32, 128), 1, False), (96, (32, 128), 1, False), (192, (32, 128), 1, False),
+              (96, (64, 64), 1, False), (192, (64, 64), 1, True), (96, (16, 128), 8, True)]
+
+
+@pytest.mark.parametrize("seg,tile,sub,tma", TREE_FORMS, ids=[f"seg{s}-{t[0]}x{t[1]}-sub{b}-{'tma' if m else 'pointer'}"
+                                                               for s, t, b, m in TREE_FORMS])
+def test_the_compiled_tree_starts_each_segment_from_zero_and_folds_by_three_additions(compile_facts, seg, tile, sub,
+                                                                                      tma):
+    from true_on_policy.kernels import matmul as mm
+    from true_on_policy.kernels import seg_tree
+
+    cfg = dict(mm.ROW_SEG, BLOCK_M=tile[0], BLOCK_N=tile[1])
+    nch, tail = seg_tree.chunks_of(seg, cfg["BK"])
+    kernel = compile_facts.seg_tree_kernel(cfg, seg, 8, sub, tma)
+    for ir in ("ttir", "ttgir"):
+        text = kernel.asm[ir]
+        zero = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.000000e\+00> : tensor<\d+x\d+xf32", text))
+        waited = dict(re.findall(r"(%[\w.]+):\d+ = ttng\.warp_group_dot_wait (%[\w.]+)", text))
+        dots = re.findall(r"(%[\w.]+) = (?:tt\.dot|ttng\.warp_group_dot) %[\w.#]+, %[\w.#]+, (%[\w.#]+)", text)
+        assert len(dots) == nch + bool(tail), (ir, dots)
+        prev = None  # the segment's previous MMA; its first accumulates into the zero tile
+        for res, acc in dots:
+            acc = waited.get(acc.split("#")[0], acc.split("#")[0])
+            assert acc in zero if prev is None else acc == prev, (ir, "an MMA accumulates into", acc)
+            prev = res
+        adds = re.findall(r"= arith\.addf (%[\w.#]+), (%[\w.#]+) : tensor<\d+x\d+xf32", text)
+        assert len(adds) == 3, (ir, adds)
+        assert waited.get(adds[0][1].split("#")[0], adds[0][1].split("#")[0]) == prev, (ir, "the fold's first addition", adds)
