@@ -15,10 +15,11 @@ like a binary counter, without branches: after segment s,
     s % 8 == 7: p4 = p4 + (p2 + (p1 + y_s))
 and the root is p_S, or p4 for 8 segments: the root takes the place of its left child, which is
 never read again, so three fp32 partials stay live beside the segment's accumulator, not four
-(``benchmarks/compile_facts.py`` counts the registers). The bits need the compiler to keep this arithmetic:
-Triton may rewrite ``d + dot(a, b, 0)`` as an MMA accumulating into ``d`` (another rounding) where the dot
-has no other use, as ``acc`` here has (the fold reads it twice); the CPU tier checks the compiled IR
-(``tests/cpu/test_compile_facts.py``: each segment's MMAs from the zero tile, the fold three additions). Invariance: row i depends only on row i of x (or of the gathered rows) and
+(``benchmarks/compile_facts.py`` counts the registers). The bits need the compiler to keep this
+arithmetic: Triton may rewrite ``d + dot(a, b, 0)`` as an MMA accumulating into ``d`` (another
+rounding) where the dot has no other use (``acc`` here has two: the fold reads it twice); the CPU tier
+checks the compiled IR (``tests/cpu/test_compile_facts.py``: each segment's MMAs from the zero tile, the
+fold three additions). Invariance: row i depends only on row i of x (or of the gathered rows) and
 on W; ``M`` is not specialised; the tile is ROW_SEG, or at decode token counts one of
 ``matmul.SEG_GRID`` (``matmul.seg_tiles``: from the shape, BK and the tail kept, the same bits), whose
 program may run an expert block's row tiles in turn (``SUBTILES``).
@@ -75,7 +76,7 @@ def _seg_tile(A, B, C, A_IDX, tile, pid_n, M, N, SEG, stride_am, stride_ak, stri
                        BLOCK_M, BLOCK_N, BK, NCH, BKT, DOT_F32, TMA, BT, n0)
         v1 = p1 + acc
         v2 = p2 + v1
-        if SEGMENTS >= 8:  # (a level the tree lacks keeps no live partial)
+        if SEGMENTS >= 8:  # (a level the tree lacks is never written: it keeps no live partial)
             p4 = tl.where(s % 8 == 7, p4 + v2, tl.where(s % 8 == 3, v2, p4))
         elif SEGMENTS >= 4:
             p4 = tl.where(s % 8 == 3, v2, p4)
