@@ -6,8 +6,8 @@
   off, at decode and prefill token counts, both tree widths, single-process and as one EP rank's
   expert outputs, and takes the GLU form exactly where ``glu_fusable`` holds;
 - ``grouped_matmul(glu=True)`` is refused off the TMA decode path, naming ``glu_fusable``;
-- the patches set ``kernels.moe.SILU_IN_UP`` from the mode, 'separate' (also unset) or 'up' (its
-  parsing and the refusal of any other value: test_speed_switches.py).
+- the mode, 'separate' (also unset) or 'up', its parsing, the refusal of any other value and the patches
+  setting ``kernels.moe.SILU_IN_UP`` from it: test_speed_switches.py.
 """
 
 import pytest
@@ -81,19 +81,3 @@ def test_the_glu_form_is_refused_off_the_tma_decode_path():
     assert not mm.glu_fusable(x, w13, 2, 4)  # no Hopper GPU here
     with pytest.raises(KernelLimitError, match="glu_fusable"):
         mm.grouped_matmul(x, w13, rows, be, tokens=2, slots=4, glu=True)
-
-
-APPLY = """
-from true_on_policy.kernels import moe
-from true_on_policy.patches import qwen3_moe
-moe.SILU_IN_UP = None
-record = qwen3_moe.apply(None)
-print(moe.SILU_IN_UP, "TRUE_ON_POLICY_MOE_SILU=up" in " ".join(record.notes))
-"""
-
-
-@pytest.mark.parametrize("value,on", [("", False), ("separate", False), ("up", True)])
-def test_the_patches_set_the_kernel_flag_from_the_mode(value, on):
-    r = run_py(APPLY, {"TRUE_ON_POLICY_MOE_SILU": value})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == [str(on), str(on)]

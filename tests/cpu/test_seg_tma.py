@@ -1,7 +1,7 @@
 """TRUE_ON_POLICY_SEG_TMA: the segment-tree down projection's weights through tensor descriptors.
 
-- the patches set ``kernels.matmul.SEG_TMA`` from the mode, 'pointer' (also unset) or 'tma', and say
-  so in their record (its parsing and the refusal of any other value: test_speed_switches.py);
+- the mode, 'pointer' (also unset) or 'tma', its parsing, the refusal of any other value and the patches
+  setting ``kernels.matmul.SEG_TMA`` from it and saying so in their record: test_speed_switches.py;
 - ``seg_tree.launch(tma=True)`` refuses a weight TMA cannot describe (not contiguous).
 
 That the TMA form computes the pointer form's bits: interpreted in ``test_decode_tiles_tree.py``, on
@@ -10,24 +10,8 @@ the GPU in ``tests/gpu/test_kernels_gpu.py::test_seg_tree_tma_equals_pointer``.
 
 import pytest
 import torch
-from helpers import run_py
 from true_on_policy.kernels import seg_tree
 from true_on_policy.kernels.limits import KernelLimitError
-
-APPLY = """
-from true_on_policy.kernels import matmul
-from true_on_policy.patches import qwen3_moe
-matmul.SEG_TMA = None
-record = qwen3_moe.apply(None)
-print(matmul.SEG_TMA, "TRUE_ON_POLICY_SEG_TMA=tma" in " ".join(record.notes))
-"""
-
-
-@pytest.mark.parametrize("value,on", [("", False), ("pointer", False), ("tma", True)])
-def test_the_patches_set_the_kernel_flag_from_the_mode(value, on):
-    r = run_py(APPLY, {"TRUE_ON_POLICY_SEG_TMA": value})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == [str(on), str(on)]
 
 
 def test_the_tma_form_refuses_a_weight_it_cannot_describe():

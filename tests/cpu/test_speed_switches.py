@@ -2,7 +2,9 @@
 
 Each switch is read through ``patching.env_choice``: unset or empty gives its default, a value is stripped
 of surrounding blanks, and anything outside its modes (a typo, another case, a number) is refused when its
-patch installs, in one message naming the variable, every mode and the value given. What each mode runs,
+patch installs, in one message naming the variable, every mode and the value given. A switch that sets a
+kernel module's flag (``FLAGS``) has it set, by its patch, exactly in the mode that turns it on, and the patch's
+record says so. What each mode runs,
 and that every mode gives the same bits, is in the switch's own tests (test_seg_tma.py, test_moe_silu.py,
 test_qk_norm_rope.py, test_prefill_loop.py, test_attention_tiles.py) and the GPU tier.
 """
@@ -10,6 +12,7 @@ test_qk_norm_rope.py, test_prefill_loop.py, test_attention_tiles.py) and the GPU
 import importlib
 
 import pytest
+from helpers import run_py
 
 from true_on_policy import env
 from true_on_policy.patching import PatchError
@@ -22,6 +25,22 @@ SWITCHES = {
     "TRUE_ON_POLICY_MOE_SILU": ("qwen3_moe", "moe_silu_mode", "separate", ("separate", "up")),
     "TRUE_ON_POLICY_SEG_TMA": ("qwen3_moe", "seg_tma_mode", "pointer", ("pointer", "tma")),
 }
+
+
+# the switches whose patch sets a kernel module's flag, on in one mode and noted in the patch's record:
+# variable: (module of true_on_policy.kernels, the flag, the mode that turns it on)
+FLAGS = {
+    "TRUE_ON_POLICY_MOE_SILU": ("moe", "SILU_IN_UP", "up"),
+    "TRUE_ON_POLICY_SEG_TMA": ("matmul", "SEG_TMA", "tma"),
+}
+
+APPLY = """
+from true_on_policy.kernels import {module}
+from true_on_policy.patches import {patch}
+{module}.{flag} = None
+record = {patch}.apply(None)
+print({module}.{flag}, "{var}={on}" in " ".join(record.notes))
+"""
 
 
 def _patch(var):
@@ -67,3 +86,13 @@ def test_a_speed_switch_outside_its_modes_is_refused_as_its_patch_installs_namin
     msg = str(e.value)
     assert all(repr(mode) in msg for mode in SWITCHES[var][3]), msg
     assert repr(value.strip()) in msg, msg
+
+
+@pytest.mark.parametrize("var,value", [(v, m) for v in FLAGS for m in ("", *SWITCHES[v][3])])
+def test_the_patches_set_the_kernel_flag_from_the_mode(var, value):
+    module, flag, on_mode = FLAGS[var]
+    r = run_py(APPLY.format(module=module, flag=flag, patch=SWITCHES[var][0], var=var, on=on_mode), {var: value})
+    assert r.returncode == 0, r.stderr[-3000:]
+    on = value == on_mode
+    assert r.stdout.split() == [str(on), str(on)]
+
