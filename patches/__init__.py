@@ -49,6 +49,14 @@ def apply_all(policy) -> Manifest:
     return _MANIFEST
 
 
+def speed_modes() -> dict[str, str]:
+    """The mode of every speed-only switch (``env.py``: "Speed only"), as the harnesses record it beside their
+    results: no bit depends on them, but a run's speed does."""
+    return {"decode_tiles": cuda_graph.decode_tiles_mode(), "qk_norm_rope": qwen3_moe.qk_norm_rope_mode(),
+            "moe_silu": qwen3_moe.moe_silu_mode(), "seg_tma": qwen3_moe.seg_tma_mode(),
+            "prefill_loop": attention_backend.prefill_loop_mode()}
+
+
 def current_manifest() -> Manifest | None:
     return _MANIFEST
 

@@ -96,3 +96,12 @@ def test_the_patches_set_the_kernel_flag_from_the_mode(var, value):
     on = value == on_mode
     assert r.stdout.split() == [str(on), str(on)]
 
+
+def test_the_harnesses_record_every_speed_switch_s_mode(monkeypatch):
+    from true_on_policy.patches import speed_modes
+
+    for var in SWITCHES:
+        monkeypatch.delenv(var, raising=False)
+    assert speed_modes() == {v.removeprefix("TRUE_ON_POLICY_").lower(): s[2] for v, s in SWITCHES.items()}
+    monkeypatch.setenv("TRUE_ON_POLICY_SEG_TMA", "tma")
+    assert speed_modes()["seg_tma"] == "tma"

@@ -182,9 +182,7 @@ def run(args) -> dict:
     from true_on_policy import DEFAULT_CONTRACT, env, tiny_model
     from true_on_policy.contract import get_contract
     from true_on_policy.contract.policy import read_architectures
-    from true_on_policy.patches.attention_backend import prefill_loop_mode
-    from true_on_policy.patches.cuda_graph import decode_tiles_mode
-    from true_on_policy.patches.qwen3_moe import moe_silu_mode, qk_norm_rope_mode, seg_tma_mode
+    from true_on_policy.patches import speed_modes
 
     model_path = args.model_path or tiny_model.ensure(args.geometry)
     cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -215,10 +213,7 @@ def run(args) -> dict:
                    "pp_layer_partition": env.PP_LAYER_PARTITION.get(), "engine_kwargs": engine_kwargs,
                    "long_prompts": args.long_prompts, "long_len": args.long_len if args.long_prompts else None,
                    "prompt_lengths": [len(p) for p in all_prompts],
-                   "chunked_prefill_size": args.chunked_prefill_size, "decode_tiles": decode_tiles_mode(),
-                   "qk_norm_rope": qk_norm_rope_mode(), "moe_silu": moe_silu_mode(), "seg_tma": seg_tma_mode(),
-                   "prefill_loop": prefill_loop_mode(),
-                   **trainer_info},
+                   "chunked_prefill_size": args.chunked_prefill_size, **speed_modes(), **trainer_info},
         "radix_followups": None if radix is None else {"count": len(radix["prompts"]),
                                                        "cached_tokens": radix["cached_tokens"]},
         **stats,

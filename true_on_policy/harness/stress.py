@@ -129,9 +129,7 @@ def run(args) -> dict:
     from true_on_policy.contract import get_contract
     from true_on_policy.harness.http import Server, bitwise, trainer, trainer_logprobs
     from true_on_policy.kernels.sampling import TOP_WIDTH
-    from true_on_policy.patches.attention_backend import prefill_loop_mode
-    from true_on_policy.patches.cuda_graph import decode_tiles_mode
-    from true_on_policy.patches.qwen3_moe import moe_silu_mode, qk_norm_rope_mode, seg_tma_mode
+    from true_on_policy.patches import speed_modes
 
     a, b = checkpoint_pair(args.geometry, args.checkpoints)
     vocab = spec_of(args.geometry)["vocab_size"]
@@ -191,9 +189,7 @@ def run(args) -> dict:
             "config": {"geometry": args.geometry, "spec": spec_of(args.geometry), "checkpoints": [a, b],
                        "rounds": args.rounds, "target_tokens": args.tokens, "workers": args.workers, "seed": args.seed,
                        "server_command": server.command, "updates": "update_weights_from_disk between rounds",
-                       "decode_tiles": decode_tiles_mode(), "qk_norm_rope": qk_norm_rope_mode(), "moe_silu": moe_silu_mode(),
-                       "seg_tma": seg_tma_mode(),
-                       "prefill_loop": prefill_loop_mode(), "server_captured": captured},
+                       **speed_modes(), "server_captured": captured},
             "tokens": tokens, "exact_tokens": exact, "misses": tokens - exact, "truncated_tokens": truncated,
             "truncated_tokens_in_cut_rounds": cut, "server_alive_at_end": alive,
             "rollout_seconds": round(rollout_s, 1), "rounds": per_round,
