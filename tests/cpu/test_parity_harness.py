@@ -55,6 +55,13 @@ def test_followups_are_whole_sequences_plus_new_tokens_and_hit_the_cache(fake):
     assert parity.rollout("tpo", "/m", prompts, 3, 1.0, 0, 1)[3] is None
 
 
+def test_mem_fraction_reaches_the_engine(fake):
+    prompts = parity.make_prompts(2, 256, 0, 4, 8)
+    assert parity.rollout("tpo", "/m", prompts, 2, 1.0, 0, 1)[2]["mem_fraction_static"] == 0.5
+    kwargs = parity.rollout("tpo", "/m", prompts, 2, 1.0, 0, 1, mem_fraction=0.85)[2]
+    assert kwargs["mem_fraction_static"] == 0.85 and fake[-1].kwargs["mem_fraction_static"] == 0.85
+
+
 def test_batches_bound_padded_tokens_and_keep_order():
     lens = [200] * 10 + [8300, 8300, 300]
     groups = parity._batches(lens, 8, 16384)

@@ -41,14 +41,15 @@ def sampled(output: dict) -> tuple[list[int], list[float]]:
 
 def rollout(mode: str, model_path: str, prompts, new_tokens: int, temperature: float, seed: int, tp_size: int,
             contract: str | None = None, ep_size: int = 1, cuda_graph_max_bs: int | None = None, pp_size: int = 1,
-            followups: int = 0, chunked_prefill_size: int | None = None, extend_seed: int = 1):
+            followups: int = 0, chunked_prefill_size: int | None = None, extend_seed: int = 1,
+            mem_fraction: float = 0.5):
     """Sample with SGLang; returns (outputs [(token_ids, logprobs)], manifests, engine kwargs, radix).
 
     ``followups`` > 0: after the first wave, a second ``generate`` sends, for each of the first
     ``followups`` prompts, its whole sequence (prompt + sampled tokens) plus 16 new tokens, so its
     prefix is a radix-cache hit; those outputs follow the first wave's, and ``radix`` holds their
     prompts and SGLang's ``cached_tokens`` (else ``radix`` is None)."""
-    kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=0.5,
+    kwargs = dict(model_path=model_path, tp_size=tp_size, random_seed=seed, mem_fraction_static=mem_fraction,
                   log_level="error")
     if chunked_prefill_size:
         kwargs["chunked_prefill_size"] = chunked_prefill_size
@@ -193,7 +194,8 @@ def run(args) -> dict:
     t0 = time.time()
     outs, manifests, engine_kwargs, radix = rollout(
         args.mode, model_path, prompts, args.new_tokens, args.temperature, args.seed, args.tp_size, args.contract,
-        args.ep_size, args.cuda_graph_max_bs, args.pp_size, args.radix_followups, args.chunked_prefill_size)
+        args.ep_size, args.cuda_graph_max_bs, args.pp_size, args.radix_followups, args.chunked_prefill_size,
+        mem_fraction=args.mem_fraction)
     t_rollout = time.time() - t0
     all_prompts = prompts + (radix["prompts"] if radix else [])
     seqs = [p + toks for p, (toks, _) in zip(all_prompts, outs, strict=True)]
@@ -244,6 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--radix-followups", type=int, default=0,
                    help="then send this many whole sequences again (plus 16 tokens): radix-cache hits")
     p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk (its default if unset)")
+    p.add_argument("--mem-fraction", type=float, default=0.5,
+                   help="SGLang's mem_fraction_static (the 48-layer geometry needs about 0.85 on an 80 GB card)")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
