@@ -62,6 +62,14 @@ def test_mem_fraction_reaches_the_engine(fake):
     assert kwargs["mem_fraction_static"] == 0.85 and fake[-1].kwargs["mem_fraction_static"] == 0.85
 
 
+@pytest.mark.parametrize("bad", ["0", "1", "1.5", "-0.2"])
+def test_mem_fraction_outside_0_1_is_refused_before_any_work(bad, capsys, monkeypatch):
+    monkeypatch.setattr(parity, "run", lambda args: pytest.fail("ran with a refused --mem-fraction"))
+    with pytest.raises(SystemExit) as e:
+        parity.main(["--mode", "tpo", "--mem-fraction", bad, "--out", "/nonexistent/x.json"])
+    assert e.value.code == 2 and f"--mem-fraction {float(bad)}" in capsys.readouterr().err
+
+
 def test_batches_bound_padded_tokens_and_keep_order():
     lens = [200] * 10 + [8300, 8300, 300]
     groups = parity._batches(lens, 8, 16384)

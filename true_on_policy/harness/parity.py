@@ -247,9 +247,12 @@ def main(argv=None) -> int:
                    help="then send this many whole sequences again (plus 16 tokens): radix-cache hits")
     p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk (its default if unset)")
     p.add_argument("--mem-fraction", type=float, default=0.5,
-                   help="SGLang's mem_fraction_static (the 48-layer geometry needs about 0.85 on an 80 GB card)")
+                   help="SGLang's mem_fraction_static, in (0, 1); 0.5 of an 80 GB card is less than the 48-layer "
+                   "geometry's 57 GB of weights")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
+    if not 0 < args.mem_fraction < 1:
+        p.error(f"--mem-fraction {args.mem_fraction}: SGLang's mem_fraction_static must be in (0, 1)")
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.parity", *argv])
