@@ -63,11 +63,11 @@ def test_mem_fraction_reaches_the_engine(fake):
 
 
 @pytest.mark.parametrize("bad", ["0", "1", "1.5", "-0.2"])
-def test_mem_fraction_outside_0_1_is_refused_before_any_work(bad, capsys, monkeypatch):
-    monkeypatch.setattr(parity, "run", lambda args: pytest.fail("ran with a refused --mem-fraction"))
+def test_mem_outside_0_1_is_refused_before_any_work(bad, capsys, monkeypatch):
+    monkeypatch.setattr(parity, "run", lambda args: pytest.fail("ran with a refused --mem"))
     with pytest.raises(SystemExit) as e:
-        parity.main(["--mode", "tpo", "--mem-fraction", bad, "--out", "/nonexistent/x.json"])
-    assert e.value.code == 2 and f"--mem-fraction {float(bad)}" in capsys.readouterr().err
+        parity.main(["--mode", "tpo", "--mem", bad, "--out", "/nonexistent/x.json"])
+    assert e.value.code == 2 and f"--mem {float(bad)}" in capsys.readouterr().err
 
 
 def test_batches_bound_padded_tokens_and_keep_order():

@@ -195,7 +195,7 @@ def run(args) -> dict:
     outs, manifests, engine_kwargs, radix = rollout(
         args.mode, model_path, prompts, args.new_tokens, args.temperature, args.seed, args.tp_size, args.contract,
         args.ep_size, args.cuda_graph_max_bs, args.pp_size, args.radix_followups, args.chunked_prefill_size,
-        mem_fraction=args.mem_fraction)
+        mem_fraction=args.mem)
     t_rollout = time.time() - t0
     all_prompts = prompts + (radix["prompts"] if radix else [])
     seqs = [p + toks for p, (toks, _) in zip(all_prompts, outs, strict=True)]
@@ -246,13 +246,13 @@ def main(argv=None) -> int:
     p.add_argument("--radix-followups", type=int, default=0,
                    help="then send this many whole sequences again (plus 16 tokens): radix-cache hits")
     p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk (its default if unset)")
-    p.add_argument("--mem-fraction", type=float, default=0.5,
+    p.add_argument("--mem", type=float, default=0.5,
                    help="SGLang's mem_fraction_static, in (0, 1); 0.5 of an 80 GB card is less than the 48-layer "
                    "geometry's 57 GB of weights")
     p.add_argument("--out", required=True, help="evidence JSON path")
     args = p.parse_args(argv)
-    if not 0 < args.mem_fraction < 1:
-        p.error(f"--mem-fraction {args.mem_fraction}: SGLang's mem_fraction_static must be in (0, 1)")
+    if not 0 < args.mem < 1:
+        p.error(f"--mem {args.mem}: SGLang's mem_fraction_static must be in (0, 1)")
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "-m", "true_on_policy.harness.parity", *argv])
