@@ -27,8 +27,9 @@ def _write(path, doc):
     path.write_text(json.dumps(doc))
 
 
-def _prov(commit="a" * 40, dirty=False, started="2026-01-02T03:04:05+00:00"):
-    return {"command": ["python", "x.py"], "git": {"commit": commit, "dirty": dirty}, "started_at": started}
+def _prov(commit="a" * 40, dirty=False, started="2026-01-02T03:04:05+00:00", gpu=None):
+    prov = {"command": ["python", "x.py"], "git": {"commit": commit, "dirty": dirty}, "started_at": started}
+    return prov if gpu is None else {**prov, "gpu": {"count": 1, "name": gpu}}
 
 
 def test_render_reads_the_evidence_files_only_and_check_reports_a_stale_page(tmp_path):
@@ -99,7 +100,7 @@ def test_readme_and_changelog_cite_the_rendered_evidence():
     assert "docs/evidence.md" in (ROOT / "CHANGELOG.md").read_text()
 
 
-def _space_run(geometry, started, rows, engines, fastest=None):
+def _space_run(geometry, started, rows, engines, fastest=None, gpu=None):
     """A ``throughput-space-*`` file: rows {workload: [(variant, tok/s)]}, engines {variant: contract or None}."""
     from true_on_policy.contract import get_contract
 
@@ -111,14 +112,14 @@ def _space_run(geometry, started, rows, engines, fastest=None):
             for v, t in vs]}
     eng = {v: {"contract": None if c is None else {"name": rv.PREFIX + c, "fingerprint": get_contract(rv.PREFIX + c).fingerprint}}
            for v, c in engines.items()}
-    return {"provenance": _prov(started=started), "geometry": geometry, "results": results, "engines": eng}
+    return {"provenance": _prov(started=started, gpu=gpu), "geometry": geometry, "results": results, "engines": eng}
 
 
 def test_the_space_table_takes_each_contracts_newest_run_and_counts_every_cell(tmp_path):
     ev = tmp_path / "evidence"
     _write(ev / "throughput-space-a3b48-old.json", _space_run(
         "a3b48", "2026-01-01T00:00:00+00:00", {"plain": [("stock", 100.0), ("tpo", 80.0), ("tpo_v1", 85.0)]},
-        {"stock": None, "tpo": "flat_v1", "tpo_v1": "v1"}))
+        {"stock": None, "tpo": "flat_v1", "tpo_v1": "v1"}, gpu="NVIDIA H100 80GB HBM3"))
     _write(ev / "throughput-space-a3b48-new.json", _space_run(
         "a3b48", "2026-01-02T00:00:00+00:00",
         {"plain": [("stock", 100.0), ("tpo", 93.0), ("tpo_tiles", 99.0)],
@@ -135,6 +136,7 @@ def test_the_space_table_takes_each_contracts_newest_run_and_counts_every_cell(t
     plain = line["a3b48", "plain"].split("|")
     assert "**0.93x** (93 / stock 100" in plain[3] and "new.json" in plain[3], plain  # the newest, not the best
     assert "**0.85x**" in plain[4] and "old.json" in plain[4], plain                     # v1's newest is the old run
+    assert ", H100," in plain[4] and "H100" not in plain[3], plain                        # the card, where named
     assert plain[5].strip() == "not run"
     assert line["a3b48", "qwen"].split("|")[3].strip() == "not run"                      # stock_fi did not run
     tail = line["a3b48", "tail"].split("|")

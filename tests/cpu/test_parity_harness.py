@@ -70,6 +70,27 @@ def test_mem_outside_0_1_is_refused_before_any_work(bad, capsys, monkeypatch):
     assert e.value.code == 2 and f"--mem {float(bad)}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mem", [None, "0.85"])
+def test_regenerate_evidence_parity_mem_reaches_every_parity_line(mem, monkeypatch, tmp_path):
+    """The GPU script's PARITY_MEM (an 80 GB card's room for the 48-layer weights) becomes the harness's --mem."""
+    import os
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "tests/gpu/regenerate_evidence.sh"
+    line = next(ln for ln in script.read_text().splitlines() if ln.startswith('P="'))
+    env = {k: v for k, v in os.environ.items() if k != "PARITY_MEM"} | ({} if mem is None else {"PARITY_MEM": mem})
+    argv = shlex.split(subprocess.run(["bash", "-c", f'{line}; printf %s "$P"'], env=env, capture_output=True,
+                                      text=True, check=True).stdout)
+    assert argv[:3] == ["python3", "-m", "true_on_policy.harness.parity"]
+    seen = {}
+    monkeypatch.setattr(parity, "run", lambda args: seen.update(vars(args)) or {
+        k: 0 for k in ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "rollout_seconds")})
+    parity.main(argv[3:] + ["--mode", "tpo", "--out", str(tmp_path / "p.json")])
+    assert seen["mem"] == (0.5 if mem is None else float(mem))
+
+
 def test_batches_bound_padded_tokens_and_keep_order():
     lens = [200] * 10 + [8300, 8300, 300]
     groups = parity._batches(lens, 8, 16384)

@@ -19,7 +19,9 @@ mkdir -p "$E"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -c "from importlib.metadata import entry_points as e; assert any(x.name == 'true_on_policy' for x in e(group='sglang.srt.plugins'))" 2>/dev/null \
   || bash tests/gpu/dev_install.sh || exit 1
-P="python3 -m true_on_policy.harness.parity --prompts 64 --new-tokens 64"
+# PARITY_MEM=F: every parity line's --mem (SGLang's mem_fraction_static; the harness's default 0.5 leaves an 80 GB
+# card no room for the 48-layer checkpoint's 57 GB of weights: 0.85 there)
+P="python3 -m true_on_policy.harness.parity --prompts 64 --new-tokens 64${PARITY_MEM:+ --mem $PARITY_MEM}"
 # the files without "flat" or "pg" in their names hold the tree-width-8 contract, the default until 2026-12-01:
 # named here, so that they regenerate as they were made (the flat contract is the default now)
 V1="--contract qwen3_moe_true_on_policy_v1"

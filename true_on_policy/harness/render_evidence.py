@@ -87,6 +87,13 @@ def provenance_cells(doc: dict, rel: str) -> list[str]:
 TAIL = ["commit", "tree", "date", "file"]
 
 
+def gpu_model(doc: dict) -> str:
+    """The card a run's provenance names, as its model ("NVIDIA H100 80GB HBM3" -> "H100"); "" if none."""
+    name = str(((doc.get("provenance") or {}).get("gpu") or {}).get("name") or "")
+    words = name.removeprefix("NVIDIA").split()
+    return words[0] if words else ""
+
+
 def parity_rows(docs):
     head = ["mode", "contract", "fingerprint", "geometry", "T", "exact / tokens", "max \\|Δ\\|", *TAIL]
     rows = []
@@ -174,9 +181,10 @@ def space_table(docs) -> list[str]:
                 _, ratio, tok, stock, stock_tok, rel, d, ran = c
                 counts[label][0 if ratio >= GOAL else 1 if ratio >= FLOOR else 2] += 1
                 commit = provenance_cells(d, rel)[0]
+                card = f", {gpu_model(d)}" if gpu_model(d) else ""
                 fp = "" if fingerprint(ran.get("name"), ran.get("fingerprint")) == str(ran.get("fingerprint"))[:8] \
                     else ", old fingerprint"
-                row.append(f"**{ratio:.2f}x** ({tok:,.0f} / {stock} {number(stock_tok, ',.0f')}; {commit}{fp}, "
+                row.append(f"**{ratio:.2f}x** ({tok:,.0f} / {stock} {number(stock_tok, ',.0f')}; {commit}{card}{fp}, "
                            f"[file](../{rel}))")
             rows.append(row)
     out = table(["geometry", "workload", *(label for label, _, _ in SPACE_CONTRACTS)], rows)
@@ -189,7 +197,8 @@ SPACE_NOTE = (
     "Issue 37's table, rendered from the `throughput-space-*` files: for each geometry and workload of the "
     "space (`benchmarks/geometries.py`, `benchmarks/workloads.py`), each contract's newest run (by its start "
     "time), as the ratio to the fastest stock of that run, then the contract's tok/s, that stock and its tok/s, the "
-    "commit and the file. A contract's cell is its own variant (`tpo`, `tpo_v1`, `tpo_w2`) under that contract; "
+    "commit, the card it ran on and the file. A ratio is of one card: tok/s of different cards do not compare, and "
+    "on an 80 GB card the 48-layer checkpoint leaves a smaller KV cache, so a smaller batch, than on an H200. A contract's cell is its own variant (`tpo`, `tpo_v1`, `tpo_w2`) under that contract; "
     "the runs of experiments (`tpo_tiles`, `tpo_qknr`, ...) do not count. A `qwen` cell counts only from a run "
     "with flashinfer sampling's stock (`stock_fi`). Newest is not best: a cell moves about 3 % between runs, "
     "and every run is in the next table. On h3072e64k4, stock's triton decode reads the wrong KV head at its "
