@@ -42,7 +42,7 @@ def test_render_reads_the_evidence_files_only_and_check_reports_a_stale_page(tmp
         "provenance": _prov(), "mode": "tpo", "contract": DEFAULT_CONTRACT, "fingerprint": current,
         "config": {"geometry": "embedded", "temperature": 1.0}, "exact_tokens": 7, "tokens": 8, "max_abs_diff": 0.5})
     _write(ev / "parity-tpo-y-t1.0.json", {
-        "provenance": _prov("b" * 40, True), "mode": "tpo", "contract": DEFAULT_CONTRACT, "fingerprint": "f" * 64,
+        "provenance": _prov("b" * 40, True, gpu="NVIDIA H100 80GB HBM3"), "mode": "tpo", "contract": DEFAULT_CONTRACT, "fingerprint": "f" * 64,
         "config": {"geometry": "wide", "temperature": 0.7}, "exact_tokens": 8, "tokens": 8, "max_abs_diff": 0.0})
     _write(ev / "gpu-tier-k" / "gpu-tier.json", {
         "provenance": {**_prov(), "command": ["python", "-m", "pytest", "tests/gpu/test_k_gpu.py"]},
@@ -52,10 +52,10 @@ def test_render_reads_the_evidence_files_only_and_check_reports_a_stale_page(tmp
     text = rv.render(tmp_path)
     assert text == rv.render(tmp_path) and "parity-old" not in text
     x = next(line for line in text.splitlines() if "parity-tpo-x-t1.0.json" in line)
-    assert all(s in x for s in ("| 7/8 |", "| 0.5 |", f"| {current[:8]} |", "| aaaaaaa | clean | 2026-01-02 03:04 |",
+    assert all(s in x for s in ("| 7/8 |", "| 0.5 |", f"| {current[:8]} |", "| – | aaaaaaa | clean | 2026-01-02 03:04 |",
                                 "(../evidence/parity-tpo-x-t1.0.json)")), x
     y = next(line for line in text.splitlines() if "parity-tpo-y-t1.0.json" in line)
-    assert "| ffffffff (old) |" in y and "| 8/8 | 0 |" in y and "| dirty |" in y, y
+    assert "| ffffffff (old) |" in y and "| 8/8 | 0 |" in y and "| H100 | bbbbbbb | dirty |" in y, y  # the card
     tier = next(line for line in text.splitlines() if "gpu-tier-k/gpu-tier.json" in line)
     assert "test_k_gpu.py | 1 failed, 2 passed; not passed: test_bad | 1 | 1/1 |" in tier, tier
 

@@ -72,6 +72,13 @@ def delta(x) -> str:
     return "–" if x is None else "0" if x == 0 else format(x, ".4g")
 
 
+def gpu_model(doc: dict) -> str:
+    """The card a run's provenance names, as its model ("NVIDIA H100 80GB HBM3" -> "H100"); "" if none."""
+    name = str(((doc.get("provenance") or {}).get("gpu") or {}).get("name") or "")
+    words = name.removeprefix("NVIDIA").split()
+    return words[0] if words else ""
+
+
 def provenance_cells(doc: dict, rel: str) -> list[str]:
     prov = doc.get("provenance") or {}
     git = prov.get("git") or {}
@@ -81,17 +88,10 @@ def provenance_cells(doc: dict, rel: str) -> list[str]:
     tree = {True: "dirty", False: "clean"}.get(git.get("dirty"), "no git")
     date = str(prov.get("started_at") or "–")[:16].replace("T", " ")
     link = f"[{rel.removeprefix('evidence/')}](../{rel})"
-    return [commit if commit.startswith("–") else commit[:7] or "–", tree, date, link]
+    return [gpu_model(doc) or "–", commit if commit.startswith("–") else commit[:7] or "–", tree, date, link]
 
 
-TAIL = ["commit", "tree", "date", "file"]
-
-
-def gpu_model(doc: dict) -> str:
-    """The card a run's provenance names, as its model ("NVIDIA H100 80GB HBM3" -> "H100"); "" if none."""
-    name = str(((doc.get("provenance") or {}).get("gpu") or {}).get("name") or "")
-    words = name.removeprefix("NVIDIA").split()
-    return words[0] if words else ""
+TAIL = ["card", "commit", "tree", "date", "file"]
 
 
 def parity_rows(docs):
@@ -180,7 +180,7 @@ def space_table(docs) -> list[str]:
                     continue
                 _, ratio, tok, stock, stock_tok, rel, d, ran = c
                 counts[label][0 if ratio >= GOAL else 1 if ratio >= FLOOR else 2] += 1
-                commit = provenance_cells(d, rel)[0]
+                commit = provenance_cells(d, rel)[1]
                 card = f", {gpu_model(d)}" if gpu_model(d) else ""
                 fp = "" if fingerprint(ran.get("name"), ran.get("fingerprint")) == str(ran.get("fingerprint"))[:8] \
                     else ", old fingerprint"
