@@ -42,7 +42,8 @@ def test_render_reads_the_evidence_files_only_and_check_reports_a_stale_page(tmp
         "provenance": _prov(), "mode": "tpo", "contract": DEFAULT_CONTRACT, "fingerprint": current,
         "config": {"geometry": "embedded", "temperature": 1.0}, "exact_tokens": 7, "tokens": 8, "max_abs_diff": 0.5})
     _write(ev / "parity-tpo-y-t1.0.json", {
-        "provenance": _prov("b" * 40, True, gpu="NVIDIA H100 80GB HBM3"), "mode": "tpo", "contract": DEFAULT_CONTRACT, "fingerprint": "f" * 64,
+        "provenance": _prov("b" * 40, True, gpu="NVIDIA H100 80GB HBM3"), "mode": "tpo", "contract": DEFAULT_CONTRACT,
+        "fingerprint": "f" * 64,
         "config": {"geometry": "wide", "temperature": 0.7}, "exact_tokens": 8, "tokens": 8, "max_abs_diff": 0.0})
     _write(ev / "gpu-tier-k" / "gpu-tier.json", {
         "provenance": {**_prov(), "command": ["python", "-m", "pytest", "tests/gpu/test_k_gpu.py"]},

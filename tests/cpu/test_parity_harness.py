@@ -43,6 +43,18 @@ def fake(monkeypatch):
     return made
 
 
+def _record_args(monkeypatch) -> dict:
+    """Stands in for ``parity.run``: the dict it returns fills with the parsed arguments of ``parity.main``."""
+    seen = {}
+
+    def fake_run(args):
+        seen.update(vars(args))
+        return {k: 0 for k in ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction",
+                               "rollout_seconds")}
+    monkeypatch.setattr(parity, "run", fake_run)
+    return seen
+
+
 def test_followups_are_whole_sequences_plus_new_tokens_and_hit_the_cache(fake):
     prompts = parity.make_prompts(5, 256, 0, 4, 20)
     outs, _, kwargs, radix = parity.rollout("tpo", "/m", prompts, 3, 1.0, 0, 1, followups=2, chunked_prefill_size=64)
@@ -84,9 +96,7 @@ def test_regenerate_evidence_parity_mem_reaches_every_parity_line(mem, monkeypat
     argv = shlex.split(subprocess.run(["bash", "-c", f'{line}; printf %s "$P"'], env=env, capture_output=True,
                                       text=True, check=True).stdout)
     assert argv[:3] == ["python3", "-m", "true_on_policy.harness.parity"]
-    seen = {}
-    monkeypatch.setattr(parity, "run", lambda args: seen.update(vars(args)) or {
-        k: 0 for k in ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction", "rollout_seconds")})
+    seen = _record_args(monkeypatch)
     parity.main(argv[3:] + ["--mode", "tpo", "--out", str(tmp_path / "p.json")])
     assert seen["mem"] == (0.5 if mem is None else float(mem))
 
@@ -100,13 +110,7 @@ def test_batches_bound_padded_tokens_and_keep_order():
 
 
 def test_cli_takes_long_prompts_radix_and_chunk(monkeypatch, tmp_path):
-    seen = {}
-
-    def fake_run(args):
-        seen.update(vars(args))
-        return {k: 0 for k in ("mode", "tokens", "mean_abs_diff", "max_abs_diff", "exact_fraction",
-                               "rollout_seconds")}
-    monkeypatch.setattr(parity, "run", fake_run)
+    seen = _record_args(monkeypatch)
     parity.main(["--mode", "tpo", "--long-prompts", "2", "--long-len", "8192", "--radix-followups", "8",
                  "--chunked-prefill-size", "4096", "--out", str(tmp_path / "p.json")])
     assert (seen["long_prompts"], seen["long_len"], seen["radix_followups"], seen["chunked_prefill_size"]) == \

@@ -180,8 +180,8 @@ def space_table(docs) -> list[str]:
                     continue
                 _, ratio, tok, stock, stock_tok, rel, d, ran = c
                 counts[label][0 if ratio >= GOAL else 1 if ratio >= FLOOR else 2] += 1
-                commit = provenance_cells(d, rel)[1]
-                card = f", {gpu_model(d)}" if gpu_model(d) else ""
+                card, commit = provenance_cells(d, rel)[:2]
+                card = "" if card == "–" else f", {card}"
                 fp = "" if fingerprint(ran.get("name"), ran.get("fingerprint")) == str(ran.get("fingerprint"))[:8] \
                     else ", old fingerprint"
                 row.append(f"**{ratio:.2f}x** ({tok:,.0f} / {stock} {number(stock_tok, ',.0f')}; {commit}{card}{fp}, "
@@ -198,7 +198,8 @@ SPACE_NOTE = (
     "space (`benchmarks/geometries.py`, `benchmarks/workloads.py`), each contract's newest run (by its start "
     "time), as the ratio to the fastest stock of that run, then the contract's tok/s, that stock and its tok/s, the "
     "commit, the card it ran on and the file. A ratio is of one card: tok/s of different cards do not compare, and "
-    "on an 80 GB card the 48-layer checkpoint leaves a smaller KV cache, so a smaller batch, than on an H200. A contract's cell is its own variant (`tpo`, `tpo_v1`, `tpo_w2`) under that contract; "
+    "on an 80 GB card the 48-layer checkpoint leaves a smaller KV cache, so a smaller batch, than on an H200. "
+    "A contract's cell is its own variant (`tpo`, `tpo_v1`, `tpo_w2`) under that contract; "
     "the runs of experiments (`tpo_tiles`, `tpo_qknr`, ...) do not count. A `qwen` cell counts only from a run "
     "with flashinfer sampling's stock (`stock_fi`). Newest is not best: a cell moves about 3 % between runs, "
     "and every run is in the next table. On h3072e64k4, stock's triton decode reads the wrong KV head at its "
