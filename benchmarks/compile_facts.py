@@ -1,7 +1,7 @@
 """What ptxas makes of the segment-tree GEMM (``kernels/seg_tree.py``) for an H100/H200 (sm_90a), on any
 machine: no GPU is needed, only Triton's bundled ptxas and nvdisasm.
 
-    python benchmarks/compile_facts.py [--geometries a3b48 ...] [--out evidence/compile-seg-tree.json]
+    python benchmarks/compile_facts.py [--geometries a3b48 ...] [--tiles wide] [--out evidence/compile-seg-tree.json]
 
 For each geometry's MoE down projection under v1 (8 segments of moe_intermediate / 8 columns) and each
 tile of ``kernels.matmul.candidate_tiles("seg_tree")`` that stages a segment in shared memory, it compiles
@@ -10,6 +10,8 @@ specialisation the JIT gives at launch (16-divisible pointers and sizes, unit st
 it the K loop is not pipelined), and records registers per thread, spilled bytes, shared memory and the
 count of MMA instructions (HMMA: mma.sync, HGMMA: wgmma) and of cp.async copies (LDGSTS) in the SASS.
 Registers bound how many fp32 partials a tile keeps live; a spill sends them through local memory.
+``--tiles wide`` compiles instead prefill tiles beyond the candidates, in 8 and 16 warps (``WIDE``): more warps
+share a tile's partials, but a program of 16 warps has at most 128 registers a thread.
 Speed is measured on the GPU (``regenerate_evidence.sh segtma``), not here.
 """
 
@@ -24,6 +26,16 @@ import tempfile
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+# prefill tiles beyond the candidates (4 warps, at most 64 x 128): 64 or 128 rows (at most an expert group's
+# matmul.ALIGN) by 128 or 256 columns in 8 or 16 warps, the stages that fit
+WIDE = [dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=16, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=16, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=256, BK=64, num_warps=16, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=256, BK=64, num_warps=16, num_stages=2)]
 
 
 def compile_sm90(fn, types: dict, consts: dict, div16=(), warps=4, stages=3):
@@ -86,6 +98,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--geometries", nargs="+", default=list(geometries.SPACE), choices=list(geometries.SPACE))
     p.add_argument("--segments", type=int, default=8)
+    p.add_argument("--tiles", choices=("candidates", "wide"), default="candidates",
+                   help="the seg_tree candidate tiles (with and without the block loop), or WIDE (no block loop)")
     p.add_argument("--out", help="write the evidence here")
     a = p.parse_args(argv)
     from true_on_policy.kernels import matmul as mm
@@ -97,10 +111,10 @@ def main(argv=None) -> int:
     rows = []
     for name in a.geometries:
         seg = geometries.SPACE[name]["moe_intermediate_size"] // a.segments
-        for cfg in mm.candidate_tiles("seg_tree"):
+        for cfg in mm.candidate_tiles("seg_tree") if a.tiles == "candidates" else WIDE:
             if not (seg_tree.fits(seg, cfg["BK"]) and seg_tree.smem_ok(seg, cfg)):
                 continue
-            for sub in sorted({1, mm.ALIGN // cfg["BLOCK_M"]}):
+            for sub in sorted({1, mm.ALIGN // cfg["BLOCK_M"]}) if a.tiles == "candidates" else [1]:
                 row = {"geometry": name, "segment": seg, "segments": a.segments, "tile": dict(cfg), "subtiles": sub}
                 for form in ("pointer", "tma"):
                     row[form] = facts(seg_tree_kernel(cfg, seg, a.segments, sub, form == "tma"))
@@ -111,7 +125,7 @@ def main(argv=None) -> int:
                       f"{row['tma']['spill_store_bytes']} B spilled", flush=True)
     if a.out:
         write_evidence(a.out, {"target": "sm_90a", "kernel": "kernels.seg_tree._seg_tree_kernel (expert-grouped)",
-                               "rows": rows}, prov)
+                               "tiles": a.tiles, "rows": rows}, prov)
     return 0
 
 

@@ -67,3 +67,16 @@ def test_the_compiled_tree_starts_each_segment_from_zero_and_folds_by_three_addi
         adds = re.findall(r"= arith\.addf (%[\w.#]+), (%[\w.#]+) : tensor<\d+x\d+xf32", text)
         assert len(adds) == 3, (ir, adds)
         assert waited.get(adds[0][1].split("#")[0], adds[0][1].split("#")[0]) == prev, (ir, "the fold's first addition", adds)
+
+
+def test_the_committed_wide_tile_facts_are_what_this_checkout_compiles(compile_facts):
+    """The row docs/throughput.md#v1 leans on for tiles beyond the candidates: a3b48's down projection at
+    128 x 128 in 16 warps, the weights by descriptor (the form that spills least)."""
+    doc = json.loads((ROOT / "evidence" / "compile-seg-tree-wide.json").read_text())
+    assert doc["tiles"] == "wide"
+    row = next(r for r in doc["rows"] if r["geometry"] == "a3b48" and r["tile"]["num_warps"] == 16
+               and (r["tile"]["BLOCK_M"], r["tile"]["BLOCK_N"], r["tile"]["BK"]) == (128, 128, 64))
+    assert row["tile"] in compile_facts.WIDE
+    got = compile_facts.facts(compile_facts.seg_tree_kernel(row["tile"], row["segment"], row["segments"],
+                                                            row["subtiles"], True))
+    assert got == row["tma"], (got, row["tma"])
