@@ -76,7 +76,9 @@ SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=64, BK=32, num_warps=4, num_stages=4),
        dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
        dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
-       dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2)]
+       dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),
+       dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=16, num_stages=2),  # 16 warps: at most 128 registers a thread
+       dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=16, num_stages=3)]
 UP_TMA = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
