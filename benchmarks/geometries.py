@@ -2,7 +2,9 @@
 
 - ``a3b48``: Qwen3-30B-A3B whole (48 layers; ``true_on_policy.harness.tiny_model``);
 - ``a22b_h200``, ``a35b_h200``: the layer shapes of Qwen3-235B-A22B and Qwen3-Coder-480B-A35B
-  with as many layers as fit one H200 (``fit_layers``);
+  with as many layers as fit one H200 (``fit_layers``); ``a22b_h100``, ``a35b_h100``: the same shapes
+  with as many as fit one H100 80GB, for hosts that lend one (the issue's row of a layer shape is
+  either depth: "as many layers as fit one GPU");
 - ``h3072e64k4``, ``h1536e256k6``: two shapes of our own that differ from those three in hidden
   size, head counts (query and KV), expert count, top-k and moe_intermediate.
 
@@ -39,7 +41,8 @@ BF16 = 2  # bytes per parameter and per KV-cache element
 
 @dataclass(frozen=True)
 class Budget:
-    """One H200 host as lent: 141 GB of HBM (about 139 GiB visible), 128 GiB of RAM."""
+    """A one-GPU host as lent; the defaults are an H200's: 141 GB of HBM (about 139 GiB visible),
+    128 GiB of RAM."""
 
     hbm_gib: float = 139.0
     mem_fraction: float = 0.85  # the engines' mem_fraction_static (--mem): weights + KV cache within it
@@ -49,6 +52,7 @@ class Budget:
 
 
 H200 = Budget()
+H100 = Budget(hbm_gib=78.0)  # an H100 80GB: about 78 GiB visible, the same 128 GiB of RAM
 
 
 def layer_params(s: dict) -> int:
@@ -101,7 +105,9 @@ def fit_layers(s: dict, budget: Budget = H200) -> int:
 SPACE = {
     "a3b48": tiny_model.A3B48,
     "a22b_h200": dict(tiny_model.A22B2, num_hidden_layers=fit_layers(tiny_model.A22B2), seed=15),
+    "a22b_h100": dict(tiny_model.A22B2, num_hidden_layers=fit_layers(tiny_model.A22B2, H100), seed=19),
     "a35b_h200": dict(tiny_model.A35B2, num_hidden_layers=fit_layers(tiny_model.A35B2), seed=16),
+    "a35b_h100": dict(tiny_model.A35B2, num_hidden_layers=fit_layers(tiny_model.A35B2, H100), seed=20),
     # hidden 3072, 40 query / 2 KV heads (groups of 20), 64 experts, top-4, moe_intermediate 1024
     "h3072e64k4": dict(tiny_model.A3B, hidden_size=3072, intermediate_size=8192, moe_intermediate_size=1024,
                        num_hidden_layers=24, num_attention_heads=40, num_key_value_heads=2, num_experts=64,

@@ -199,7 +199,8 @@ def test_the_throughput_grid_has_every_workload_and_every_geometry_the_benchmark
     header = next(line for line in text.splitlines() if line.startswith("| "))
     assert [c.strip() for c in header.strip("|").split("|")] == THROUGHPUT_COLUMNS
     assert sorted(c.split(" ")[0] for c in THROUGHPUT_COLUMNS[1:5]) == sorted(workloads.WORKLOADS)
-    named = {"a3b48": "30B-A3B, 48 layers", "a22b_h200": "235B-A22B", "a35b_h200": "Coder-480B-A35B"}
+    named = {"a3b48": "30B-A3B, 48 layers", "a22b_h200": "235B-A22B", "a35b_h200": "Coder-480B-A35B",
+             "a22b_h100": "235B-A22B", "a35b_h100": "Coder-480B-A35B"}
     rows = table_rows(text)
     for g in geometries.SPACE:
         assert any(named.get(g, g) in r.split(" | ")[0] for r in rows), f"no row for {g}"

@@ -102,6 +102,8 @@ def test_fit_layers_is_the_most_that_fit(base):
     n = geometries.fit_layers(s)
     assert _hbm_and_ram(s, n, b) and not _hbm_and_ram(s, n + 1, b)
     assert geometries.fit_layers(s, geometries.Budget(ram_gib=64.0)) < n  # a smaller /dev/shm: fewer layers
+    h = geometries.fit_layers(s, geometries.H100)  # an 80 GB card: the most that fit it, fewer than an H200's
+    assert _hbm_and_ram(s, h, geometries.H100) and not _hbm_and_ram(s, h + 1, geometries.H100) and h < n
     with pytest.raises(ValueError, match="not one layer"):
         geometries.fit_layers(s, geometries.Budget(hbm_gib=1.0))
 
@@ -111,8 +113,11 @@ def test_the_space_geometries():
     assert sp["a3b48"] == t.A3B48
     assert sp["a22b_h200"]["num_hidden_layers"] == geometries.fit_layers(t.A22B2) == 21
     assert sp["a35b_h200"]["num_hidden_layers"] == geometries.fit_layers(t.A35B2) == 6
+    assert sp["a22b_h100"]["num_hidden_layers"] == geometries.fit_layers(t.A22B2, geometries.H100) == 11
+    assert sp["a35b_h100"]["num_hidden_layers"] == geometries.fit_layers(t.A35B2, geometries.H100) == 3
     shape = ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-    for name in ("a22b_h200", "a35b_h200"):  # the published layer shape, only the depth (and seed) changed
+    for name in ("a22b_h200", "a35b_h200", "a22b_h100", "a35b_h100"):  # the published layer shape, only the depth
+        # (and seed) changed
         base = t.A22B2 if name.startswith("a22b") else t.A35B2
         assert {k: v for k, v in sp[name].items() if base[k] != v}.keys() <= {"num_hidden_layers", "seed"}
     theirs = [t.A3B, t.A22B2, t.A35B2]
