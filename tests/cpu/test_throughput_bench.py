@@ -116,8 +116,8 @@ def test_the_space_geometries():
     assert sp["a22b_h100"]["num_hidden_layers"] == geometries.fit_layers(t.A22B2, geometries.H100) == 11
     assert sp["a35b_h100"]["num_hidden_layers"] == geometries.fit_layers(t.A35B2, geometries.H100) == 3
     shape = ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-    for name in ("a22b_h200", "a35b_h200", "a22b_h100", "a35b_h100"):  # the published layer shape, only the depth
-        # (and seed) changed
+    # the published layer shape at either depth: only the layer count (and seed) changed
+    for name in ("a22b_h200", "a35b_h200", "a22b_h100", "a35b_h100"):
         base = t.A22B2 if name.startswith("a22b") else t.A35B2
         assert {k: v for k, v in sp[name].items() if base[k] != v}.keys() <= {"num_hidden_layers", "seed"}
     theirs = [t.A3B, t.A22B2, t.A35B2]

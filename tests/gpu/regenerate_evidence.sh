@@ -155,8 +155,8 @@ case $GROUP in
     run python3 -m true_on_policy.harness.acceptance --contract qwen3_moe_true_on_policy_flat_pg_preview_v1 \
       --folder "$E/acceptance-flat-pg-embedded" --resume --out "$E/acceptance-flat-pg-embedded.json" ;;
   space|tailprofile)  # issue 37: the geometries of benchmarks/geometries.py (GEOMETRY=<name>: one of them; one run
-    # each; by default the five whose two big layer shapes take an H200's depth: on an 80 GB card name a22b_h100 and
-    # a35b_h100 for them), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
+    # each; by default five, the two big layer shapes at an H200's depth: on an 80 GB card name a22b_h100 and
+    # a35b_h100 instead), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
     # at a time, stock (its flashinfer sampling for qwen, and SGLang's own backend choice) against both contracts, each
     # line to the end; TIME_BUDGET=S (for time-limited calls) stops a line before a step that would end after S seconds,
