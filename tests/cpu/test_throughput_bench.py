@@ -132,6 +132,23 @@ def test_the_space_geometries():
         geometries.spec("a22b94")
 
 
+def test_sglang_ships_no_tuned_moe_config_for_the_a22b_shape_at_tp1_and_one_for_a3b48():
+    """What docs/throughput.md and the rendered issue table say of stock's MoE on the 235B-A22B layer shape:
+    SGLang names a fused-MoE config E=<experts>,N=<intermediate per rank>; none ships for that shape at TP 1
+    (any GPU, any Triton), one does for 30B-A3B's on an H200."""
+    import sglang.srt.layers.moe.moe_runner.triton_utils as tu
+
+    configs = Path(tu.__file__).parent / "configs"
+    names = {p.name for p in configs.rglob("E=*.json")}
+
+    def shipped(spec, device=""):
+        key = f"E={spec['num_experts']},N={spec['moe_intermediate_size']},"
+        return sorted(n for n in names if n.startswith(key) and device in n)
+
+    assert shipped(geometries.SPACE["a22b_h200"]) == []
+    assert shipped(geometries.SPACE["a3b48"], "device_name=NVIDIA_H200.json")
+
+
 def test_ensure_needs_room_and_makes_it_only_from_other_benchmark_checkpoints(monkeypatch, tmp_path):
     monkeypatch.setenv(geometries.tiny_model.env.CACHE_DIR.name, str(tmp_path))
     other = geometries.folder("h1536e256k6")

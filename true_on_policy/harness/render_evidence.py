@@ -213,7 +213,9 @@ SPACE_NOTE = (
     "layers that fit an H200 (`_h200`) and those that fit an H100 80GB (`_h100`): either is the issue's \"as many "
     "layers as fit one GPU\", and the counts below take a shape's two depths as one cell of the issue's table, at "
     "the lower ratio where both ran. On h3072e64k4, stock's triton decode reads the wrong KV head at its "
-    "group of 20 ([stock-decode-groups.json](../evidence/stock-decode-groups.json)): speed only there.")
+    "group of 20 ([stock-decode-groups.json](../evidence/stock-decode-groups.json)): speed only there. SGLang 0.5.17 "
+    "ships no tuned fused-MoE config for the 235B-A22B layer shape at TP 1 (128 experts of intermediate 1,536), so "
+    "stock runs its default MoE tiles there; a user who tunes them has a faster stock.")
 
 
 def profile_rows(docs):
