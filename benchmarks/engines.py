@@ -11,6 +11,9 @@ Stock variants run SGLang with the overlay off; each is triton attention + pytor
 - ``stock_flashinfer``: SGLang's flashinfer attention and sampling (a stock whose decode computes
   every head group as the model defines it; its sampling is ``stock_fi``'s);
 - ``stock_auto``: SGLang's own choice of attention and sampling backends on the host;
+- ``stock_moe``, ``stock_fi_moe``: ``stock`` and ``stock_fi`` with SGLang's fused-MoE tiles tuned for the
+  checkpoint's shape on this GPU (``stock_moe.py``; ``MOE_TUNED``), as a user who tunes them runs SGLang:
+  SGLang ships tuned tiles for some shapes only and runs a fixed default on the others;
 - ``deterministic``: SGLang's deterministic mode (slower by design: never a ratio's bar).
 
 Overlay variants run ``--true-on-policy``: ``tpo`` and ``tpo_no_logprob`` the default contract
@@ -51,9 +54,11 @@ STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": 
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},
                "stock_fi": {"sampling_backend": "flashinfer"},
                "stock_flashinfer": {"attention_backend": "flashinfer", "sampling_backend": "flashinfer"},
-               "stock_auto": {"attention_backend": None, "sampling_backend": None}}  # None: SGLang chooses
+               "stock_auto": {"attention_backend": None, "sampling_backend": None},  # None: SGLang chooses
+               "stock_moe": {}, "stock_fi_moe": {"sampling_backend": "flashinfer"}}
+MOE_TUNED = ("stock_moe", "stock_fi_moe")  # their servers read the tuned tiles (SGLANG_MOE_CONFIG_DIR)
 FAIR_STOCK = tuple(v for v in STOCK_EXTRA if v != "deterministic")  # the stocks a ratio may be taken against
-VARIANT_WORKLOADS = {"stock_fi": ("qwen",)}  # variants that run only some workloads (else every one)
+VARIANT_WORKLOADS = {"stock_fi": ("qwen",), "stock_fi_moe": ("qwen",)}  # variants that run only some workloads
 ENGINE_KEYS = ("max_total_num_tokens", "max_running_requests", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
                "chunked_prefill_size", "mem_fraction_static", "disable_cuda_graph", "attention_backend",
                "sampling_backend", "enable_deterministic_inference", "cuda_graph_backend_prefill",
@@ -80,9 +85,37 @@ def variant_contract(name: str) -> dict | None:
     return {"name": c.name, "fingerprint": c.fingerprint}
 
 
-def start_engine(name, model_path, mem):
-    """An in-process engine of variant ``name``."""
+def moe_tuning(name: str, model_path: str) -> tuple[dict, dict | None]:
+    """(environment, record) of variant ``name``'s server: for ``MOE_TUNED``, SGLANG_MOE_CONFIG_DIR at the
+    folder ``stock_moe.py`` tunes for the checkpoint's MoE shape on this GPU (once: kept under
+    TRUE_ON_POLICY_CACHE, in a process of its own, so this one holds no GPU memory), and what it chose;
+    else nothing."""
+    if name not in MOE_TUNED:
+        return {}, None
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cache = os.environ.get("TRUE_ON_POLICY_CACHE") or tempfile.gettempdir()
+    dest = os.path.join(cache, "stock-moe", os.path.basename(os.path.normpath(model_path)))
+    done = subprocess.run([sys.executable, os.path.join(here, "stock_moe.py"), "--model-path", model_path, "--dir", dest],
+                          cwd=os.path.dirname(here), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name}: tuning SGLang's MoE tiles failed (rc {done.returncode}): "
+                           f"{(done.stdout + done.stderr)[-3000:]}")
+    import json
+
+    with open(os.path.join(dest, "tuned.json")) as f:
+        rec = json.load(f)
+    keep = ("file_name", "device_name", "triton", "shape", "shipped_for_this_shape", "candidate_files", "seconds",
+            "configs")
+    rows = [{k: r[k] for k in ("batch", "default_ms", "best_ms", "best_is_default")} for r in rec["rows"]]
+    return {"SGLANG_MOE_CONFIG_DIR": dest}, {**{k: rec.get(k) for k in keep}, "rows": rows}
+
+
+def start_engine(name, model_path, mem, env_vars: dict | None = None):
+    """An in-process engine of variant ``name`` (``env_vars``: its servers' environment, ``moe_tuning``)."""
     kw = dict(model_path=model_path, mem_fraction_static=mem, random_seed=0, log_level="error")
+    os.environ.update(env_vars or {})  # this process serves one variant; its schedulers inherit it
     if name in STOCK_EXTRA:
         import sglang
 
@@ -122,7 +155,8 @@ class HttpEngine:
     prompt as its own concurrent ``/generate`` request (one client thread each, as an RL rollout
     client sends a batch); the prefix cache is emptied through ``/flush_cache``."""
 
-    def __init__(self, name, model_path, mem, log_path=None, start_timeout_s: float = 1200.0, port=None):
+    def __init__(self, name, model_path, mem, log_path=None, start_timeout_s: float = 1200.0, port=None,
+                 env_vars: dict | None = None):
         import socket
 
         if port is None:
@@ -131,7 +165,7 @@ class HttpEngine:
                 port = sock.getsockname()[1]
         common = ["--model-path", model_path, "--mem-fraction-static", str(mem), "--random-seed", "0",
                   "--log-level", "error", "--host", "127.0.0.1", "--port", str(port)]
-        env = dict(os.environ)
+        env = {**os.environ, **(env_vars or {})}
         if name in STOCK_EXTRA:
             from true_on_policy import env as tpo_env
 

@@ -41,6 +41,7 @@ from engines import (  # noqa: E402
     HttpEngine,
     flush,
     free_gib,
+    moe_tuning,
     runs,
     start_engine,
     variant_contract,
@@ -50,8 +51,9 @@ from results import markdown, summarize  # noqa: E402
 
 DEFAULT_VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_v1", "stock_eager_prefill")
 VARIANTS = (*DEFAULT_VARIANTS, "stock_fi", "stock_flashinfer", "stock_auto", "tpo_tiles", "tpo_fixed", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose", "tpo_flat", "tpo_pg",
-            "tpo_flat_pg", "tpo_w2", "tpo_v1_segtma")  # run when named
-OPTIONAL = ("stock_fi", "stock_flashinfer", "stock_eager_prefill", "stock_auto")  # a stock setting the host cannot start is recorded, left out
+            "tpo_flat_pg", "tpo_w2", "tpo_v1_segtma", "stock_moe", "stock_fi_moe")  # run when named
+OPTIONAL = ("stock_fi", "stock_flashinfer", "stock_eager_prefill", "stock_auto", "stock_moe",
+            "stock_fi_moe")  # a stock setting the host cannot start is recorded, left out
 EXIT_INCOMPLETE = 3
 EXIT_STALLED = 4  # the next step is estimated at more than the whole --time-budget
 PASS_MARGIN = 1.5  # --time-budget: a pass may take this much longer than the longest one so far
@@ -78,7 +80,8 @@ def serve(name, model_path, names, prompts, min_len, max_len, new_tokens, mem, c
     draws = {w: wl.draw(w, vocab, prompts, min_len, max_len, new_tokens) for w in names}
     logprob = name != "tpo_no_logprob"
     try:
-        eng = HttpEngine(name, model_path, mem) if http else start_engine(name, model_path, mem)
+        env_vars, moe = moe_tuning(name, model_path)  # stock_moe: its tiles tuned first (counted in its start)
+        eng = HttpEngine(name, model_path, mem, env_vars=env_vars) if http else start_engine(name, model_path, mem, env_vars)
     except Exception as e:  # noqa: BLE001 - the driver records it (an optional stock the host cannot run)
         _say({"error": f"{type(e).__name__}: {e}"[-4000:]})
         return
@@ -104,6 +107,8 @@ def serve(name, model_path, names, prompts, min_len, max_len, new_tokens, mem, c
             engine["captured"] = manifest.captured_graphs(eng.manifests())
     except Exception as e:  # noqa: BLE001  (recorded, not fatal)
         engine = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+    if moe:
+        engine["moe_tuned"] = moe
     _say({"ready": name, "engine": engine})
     try:
         for line in sys.stdin:

@@ -132,21 +132,17 @@ def test_the_space_geometries():
         geometries.spec("a22b94")
 
 
-def test_sglang_ships_no_tuned_moe_config_for_the_a22b_shape_at_tp1_and_one_for_a3b48():
-    """What docs/throughput.md and the rendered issue table say of stock's MoE on the 235B-A22B layer shape:
-    SGLang names a fused-MoE config E=<experts>,N=<intermediate per rank>; none ships for that shape at TP 1
-    (any GPU, any Triton), one does for 30B-A3B's on an H200."""
-    import sglang.srt.layers.moe.moe_runner.triton_utils as tu
+def test_sglang_ships_tuned_moe_tiles_for_30b_a3b_alone_among_the_space_geometries():
+    """What docs/throughput.md and the rendered issue table say of stock's MoE: SGLang names a fused-MoE
+    tile file E=<experts>,N=<intermediate per rank>,device_name=<GPU>; on an H100 or an H200 it ships one
+    (any Triton) for 30B-A3B's shape at TP 1 and for no other geometry of the space."""
+    import stock_moe
 
-    configs = Path(tu.__file__).parent / "configs"
-    names = {p.name for p in configs.rglob("E=*.json")}
-
-    def shipped(spec, device=""):
-        key = f"E={spec['num_experts']},N={spec['moe_intermediate_size']},"
-        return sorted(n for n in names if n.startswith(key) and device in n)
-
-    assert shipped(geometries.SPACE["a22b_h200"]) == []
-    assert shipped(geometries.SPACE["a3b48"], "device_name=NVIDIA_H200.json")
+    root = stock_moe.package_root()
+    for device in ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"):
+        files = stock_moe.shipped(root, device)
+        tuned = {g for g, s in geometries.SPACE.items() if (s["num_experts"], s["moe_intermediate_size"]) in files}
+        assert tuned == {"a3b48"}, device
 
 
 def test_ensure_needs_room_and_makes_it_only_from_other_benchmark_checkpoints(monkeypatch, tmp_path):
@@ -202,7 +198,7 @@ def _serve(monkeypatch, tmp_path, capsys, name, commands, names=("plain",), eng=
     """``serve`` on a stand-in engine, fed ``commands``; returns the engine and its RESULT lines."""
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
     eng = eng or _Eng()
-    monkeypatch.setattr(throughput, "start_engine", lambda name, path, mem: eng)
+    monkeypatch.setattr(throughput, "start_engine", lambda name, path, mem, env_vars=None: eng)
     monkeypatch.setattr(sys, "stdin", io.StringIO(commands))
     throughput.serve(name, str(tmp_path), list(names), 4, 8, 16, 5, 0.5, **kw)
     lines = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
@@ -221,6 +217,26 @@ def test_variant_process_runs_each_workload_it_is_asked(monkeypatch, tmp_path, c
     assert eng.shut and eng.calls == ["flush", "generate"] * 3  # cold: every pass computes its prompts
 
 
+def test_a_tuned_stock_serves_with_its_tile_folder_and_records_what_it_chose(monkeypatch, tmp_path, capsys):
+    got = {}
+    monkeypatch.setattr(throughput, "moe_tuning", lambda name, path: (
+        {"SGLANG_MOE_CONFIG_DIR": f"/cache/{name}"}, {"file_name": "E=1.json"}) if name in engines.MOE_TUNED else ({}, None))
+    eng = _Eng()
+
+    def start(name, path, mem, env_vars=None):
+        got[name] = env_vars
+        return eng
+
+    monkeypatch.setattr(throughput, "start_engine", start)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    for name in ("stock_moe", "stock"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("quit\n"))
+        throughput.serve(name, str(tmp_path), ["plain"], 4, 8, 16, 5, 0.5)
+    moe, stock = [json.loads(x[len("RESULT "):]) for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    assert got == {"stock_moe": {"SGLANG_MOE_CONFIG_DIR": "/cache/stock_moe"}, "stock": {}}
+    assert moe["engine"]["moe_tuned"] == {"file_name": "E=1.json"} and "moe_tuned" not in stock["engine"]
+
+
 def test_a_pass_that_generates_other_lengths_than_drawn_is_an_error(monkeypatch, tmp_path, capsys):
     with pytest.raises(RuntimeError, match="completion tokens"):
         _serve(monkeypatch, tmp_path, capsys, "stock", "pass plain 0\nquit\n", eng=_Eng(short=1))
@@ -229,7 +245,7 @@ def test_a_pass_that_generates_other_lengths_than_drawn_is_an_error(monkeypatch,
 
 
 def test_an_engine_that_does_not_start_is_reported(monkeypatch, tmp_path, capsys):
-    def boom(name, path, mem):
+    def boom(name, path, mem, env_vars=None):
         raise RuntimeError("flashinfer is not installed")
 
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))

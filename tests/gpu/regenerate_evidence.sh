@@ -4,8 +4,8 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
-#        prefilltiles | tilechoice | sampler | segsplit | contracts | w2 | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
-#        default, pgpreview, space, tailprofile,
+#        prefilltiles | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        default, pgpreview, space, tailprofile, stockmoe,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
 #        prefillflat, segtma, prefillchoice, prefilltiles, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
@@ -154,11 +154,18 @@ case $GROUP in
     done
     run python3 -m true_on_policy.harness.acceptance --contract qwen3_moe_true_on_policy_flat_pg_preview_v1 \
       --folder "$E/acceptance-flat-pg-embedded" --resume --out "$E/acceptance-flat-pg-embedded.json" ;;
+  stockmoe)  # issue 37: stock SGLang's fused-MoE tiles tuned for each geometry's shape on this GPU (benchmarks/stock_moe.py:
+    # the candidates, SGLang's default and the fastest per batch, every time), the tiles the stock_moe variants run;
+    # GEOMETRY=<g> names one. No checkpoint: random weights of the shape
+    for g in ${GEOMETRY:-a22b_h200 a35b_h200 h3072e64k4 h1536e256k6 a3b48}; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/stock_moe.py --geometry "$g" --out "$E/stock-moe-$g.json"
+    done ;;
   space|tailprofile)  # issue 37: the geometries of benchmarks/geometries.py (GEOMETRY=<name>: one of them; one run
     # each; by default five, the two big layer shapes at an H200's depth: on an 80 GB card name a22b_h100 and
     # a35b_h100 instead), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
-    # at a time, stock (its flashinfer sampling for qwen, and SGLang's own backend choice) against both contracts, each
+    # at a time, stock (its flashinfer sampling for qwen, SGLang's own backend choice, and both with the MoE tiles tuned
+    # for the shape, stock_moe and stock_fi_moe) against both contracts, each
     # line to the end; TIME_BUDGET=S (for time-limited calls) stops a line before a step that would end after S seconds,
     # with exit 3 and "INCOMPLETE": run it again until the file is complete.
     # WORKLOADS / VARIANTS narrow a space or tailprofile run (the file records what ran), SPACE_TAG names its file
@@ -174,7 +181,7 @@ case $GROUP in
     for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
       if [ "$GROUP" = space ]; then
         run $B/throughput.py --geometry "$g" --workload ${WORKLOADS:-plain qwen tail long} \
-          --variants ${VARIANTS:-stock stock_fi stock_flashinfer stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
+          --variants ${VARIANTS:-stock stock_fi stock_moe stock_fi_moe stock_flashinfer stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
           --http --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} \
           --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else

@@ -137,13 +137,14 @@ SPACE_DEPTHS = {"a22b_h100": "a22b_h200", "a35b_h100": "a35b_h200"}
 SPACE_WORKLOADS = ("plain", "qwen", "tail", "long")  # benchmarks/workloads.WORKLOADS
 SPACE_CONTRACTS = (("default", "tpo", "flat_v1"), ("v1", "tpo_v1", "v1"), ("width-2 preview", "tpo_w2", "w2_preview_v1"))
 GOAL, FLOOR = 0.95, 0.90
+QWEN_STOCKS = ("stock_fi", "stock_fi_moe")  # flashinfer sampling's stocks (benchmarks/engines.py): qwen's bar
 
 
 def space_cells(docs) -> dict:
     """(geometry, workload, contract label) -> the newest run that measured it, as (started_at, ratio,
     tok/s, fastest stock's variant and tok/s, rel, doc). A run counts for a contract when its variant
     of that name ran under that contract; for ``qwen`` only when the run has flashinfer sampling's
-    stock (``stock_fi``), the faster stock there."""
+    stock (``QWEN_STOCKS``), the faster stock there."""
     cells = {}
     for rel, d in docs:
         if not Path(rel).name.startswith("throughput-space-") or d.get("geometry") not in SPACE_GEOMETRIES:
@@ -152,7 +153,7 @@ def space_cells(docs) -> dict:
         started = str((d.get("provenance") or {}).get("started_at") or "")
         for workload, res in (d.get("results") or {}).items():
             rows = {r.get("variant"): r for r in (res or {}).get("rows") or []}
-            if workload == "qwen" and (rows.get("stock_fi") or {}).get("median") is None:
+            if workload == "qwen" and all((rows.get(v) or {}).get("median") is None for v in QWEN_STOCKS):
                 continue
             stock = (res or {}).get("fastest_stock")
             stock_row = rows.get(stock) or {}
@@ -208,14 +209,15 @@ SPACE_NOTE = (
     "on an 80 GB card the 48-layer checkpoint leaves a smaller KV cache, so a smaller batch, than on an H200. "
     "A contract's cell is its own variant (`tpo`, `tpo_v1`, `tpo_w2`) under that contract; "
     "the runs of experiments (`tpo_tiles`, `tpo_qknr`, ...) do not count. A `qwen` cell counts only from a run "
-    "with flashinfer sampling's stock (`stock_fi`). Newest is not best: a cell moves about 3 % between runs, "
+    "with flashinfer sampling's stock (`stock_fi`, or `stock_fi_moe` with the MoE tiles tuned). Newest is not best: a cell moves about 3 % between runs, "
     "and every run is in the next table. The 235B-A22B and Coder-480B-A35B layer shapes have two depths, the "
     "layers that fit an H200 (`_h200`) and those that fit an H100 80GB (`_h100`): either is the issue's \"as many "
     "layers as fit one GPU\", and the counts below take a shape's two depths as one cell of the issue's table, at "
     "the lower ratio where both ran. On h3072e64k4, stock's triton decode reads the wrong KV head at its "
     "group of 20 ([stock-decode-groups.json](../evidence/stock-decode-groups.json)): speed only there. SGLang 0.5.17 "
     "ships no tuned fused-MoE config for the 235B-A22B layer shape at TP 1 (128 experts of intermediate 1,536), so "
-    "stock runs its default MoE tiles there; a user who tunes them has a faster stock.")
+    "stock runs its default MoE tiles there, as on every geometry of the space but 30B-A3B's; `stock_moe` and "
+    "`stock_fi_moe` are stock with those tiles tuned on the GPU (`benchmarks/stock_moe.py`), the bar where they ran.")
 
 
 def profile_rows(docs):
