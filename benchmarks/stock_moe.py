@@ -250,7 +250,14 @@ def main(argv=None) -> int:
     from true_on_policy.harness.provenance import provenance
 
     prov = provenance(None if argv is None else ["python", "benchmarks/stock_moe.py", *argv])
-    rec = run_tuning(shape_of(geometries.spec(a.geometry)), a.batches)
+    import tempfile
+
+    from transformers import Qwen3MoeConfig
+
+    spec = geometries.spec(a.geometry)
+    with tempfile.TemporaryDirectory() as ckpt:  # the config SGLang's server arguments read: no weights needed
+        Qwen3MoeConfig(**{k: v for k, v in spec.items() if k != "seed"}).save_pretrained(ckpt)
+        rec = run_tuning(shape_of(spec), a.batches, model_path=ckpt)
     doc = {"provenance": prov, "geometry": a.geometry, **rec}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
