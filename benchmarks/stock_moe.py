@@ -256,7 +256,7 @@ def main(argv=None) -> int:
 
     spec = geometries.spec(a.geometry)
     with tempfile.TemporaryDirectory() as ckpt:  # the config SGLang's server arguments read: no weights needed
-        Qwen3MoeConfig(**{k: v for k, v in spec.items() if k != "seed"}).save_pretrained(ckpt)
+        Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], **{k: v for k, v in spec.items() if k != "seed"}).save_pretrained(ckpt)
         rec = run_tuning(shape_of(spec), a.batches, model_path=ckpt)
     doc = {"provenance": prov, "geometry": a.geometry, **rec}
     if a.out:
