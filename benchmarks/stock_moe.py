@@ -139,8 +139,8 @@ def shape_of(config: dict, tp: int = 1) -> dict:
 
 
 def gpu_timer(shape: dict, model_path: str | None = None):
-    """``timer(m, cfg)``: ms of one SGLang ``fused_experts`` call on random bf16 weights of ``shape``
-    and a random routing, tiles forced by ``override_config`` (median of REPEATS runs of TIMED_CALLS
+    """``timer(m, cfg)``: ms of one SGLang ``fused_experts`` call (and the copy of its input) on random bf16
+    weights of ``shape`` and a random routing, tiles forced by ``override_config`` (median of REPEATS runs of TIMED_CALLS
     calls each, after WARMUPS); inf where the tile does not compile or run."""
     import torch
     from sglang.srt import runtime_context
@@ -155,40 +155,50 @@ def gpu_timer(shape: dict, model_path: str | None = None):
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = (torch.randn(e, 2 * n, h, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(e, h, n, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    # in place, as SGLang's FusedMoE layer runs it (its out-of-place form allocates in the TP group's memory pool);
+    # every call starts from the same input (the copy, a fixed cost, is timed with every candidate)
     runner = MoeRunnerConfig(num_experts=e, num_local_experts=e, hidden_size=h, intermediate_size_per_partition=n,
-                             top_k=k, params_dtype=torch.bfloat16, inplace=False)
+                             top_k=k, params_dtype=torch.bfloat16, inplace=True)
     inputs = {}
 
     def routed(m):
         if m not in inputs:
-            x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+            x0 = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
             logits = torch.randn(m, e, device="cuda", generator=g)
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-            inputs[m] = (x, StandardTopKOutput(weights / weights.sum(-1, keepdim=True), ids.to(torch.int32), logits))
+            topk = StandardTopKOutput(weights / weights.sum(-1, keepdim=True), ids.to(torch.int32), logits)
+            inputs[m] = (x0, torch.empty_like(x0), topk)
         return inputs[m]
 
     def timer(m, cfg) -> float:
-        x, topk = routed(m)
+        x0, x, topk = routed(m)
+
+        def call():
+            x.copy_(x0)
+            fused_experts(x, w1, w2, topk, runner)
+
         try:
             with override_config(cfg):
                 for _ in range(WARMUPS):
-                    fused_experts(x, w1, w2, topk, runner)
+                    call()
                 torch.cuda.synchronize()
                 runs = []
                 for _ in range(REPEATS):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
                     for _ in range(TIMED_CALLS):
-                        fused_experts(x, w1, w2, topk, runner)
+                        call()
                     b.record()
                     b.synchronize()
                     runs.append(a.elapsed_time(b) / TIMED_CALLS)
             return statistics.median(runs)
         except Exception as err:  # noqa: BLE001 - a tile the GPU cannot run (shared memory, registers)
-            print(f"batch {m} {cfg}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr, flush=True)
+            timer.errors.append(f"batch {m} {cfg}: {type(err).__name__}: {str(err)[:300]}")
+            print(timer.errors[-1], file=sys.stderr, flush=True)
             torch.cuda.synchronize()
             return math.inf
 
+    timer.errors = []
     return timer
 
 
@@ -205,9 +215,12 @@ def run_tuning(shape: dict, batches=BATCHES, model_path: str | None = None) -> d
     root = package_root()
     files = nearest(shipped(root, device), shape["experts"], shape["n"])
     tables = [json.loads(f.read_text()) for f in files]
-    t0 = time.perf_counter()
-    out = tune(batches, lambda m: get_default_config(m, shape["experts"], shape["n"], shape["hidden"], shape["top_k"],
-                                                     None, False), tables, gpu_timer(shape, model_path))
+    t0, timer = time.perf_counter(), gpu_timer(shape, model_path)
+    try:
+        out = tune(batches, lambda m: get_default_config(m, shape["experts"], shape["n"], shape["hidden"],
+                                                         shape["top_k"], None, False), tables, timer)
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}; the first error: {timer.errors[:1]}") from err
     return {"shape": shape, "device_name": device, "triton": triton.__version__,
             "file_name": get_config_file_name(shape["experts"], shape["n"], None),
             "shipped_for_this_shape": (shape["experts"], shape["n"]) in shipped(root, device),

@@ -141,3 +141,37 @@ def test_the_tuned_stocks_differ_from_stock_only_in_the_tile_folder_their_server
     (stock_cmd, stock_env), (moe_cmd, moe_env) = seen
     assert stock_cmd == moe_cmd and "SGLANG_MOE_CONFIG_DIR" not in stock_env
     assert moe_env["SGLANG_MOE_CONFIG_DIR"] == env["SGLANG_MOE_CONFIG_DIR"]
+
+
+def test_run_tuning_names_sglangs_file_and_says_why_no_tile_ran(monkeypatch):
+    import sglang.srt.utils as sglang_utils
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as c
+
+    from types import SimpleNamespace
+
+    for mod in (sglang_utils, c):
+        monkeypatch.setattr(mod, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(c, "get_exec", lambda: SimpleNamespace(deterministic=SimpleNamespace(
+        enable_deterministic_inference=False)))  # what gpu_timer's publish gives SGLang's default tile
+    shape = stock_moe.shape_of(geometries.SPACE["a22b_h200"])
+
+    def timer_of(ms):
+        def timer(m, cfg):
+            if ms is None:
+                timer.errors.append(f"batch {m}: AssertionError: tensor model parallel group is not initialized")
+                return math.inf
+            return ms(cfg)
+
+        timer.errors = []
+        return timer
+
+    monkeypatch.setattr(stock_moe, "gpu_timer", lambda shape, path=None: timer_of(lambda cfg: 1.0 / cfg["BLOCK_SIZE_N"]))
+    rec = stock_moe.run_tuning(shape, [1, 4096])
+    assert rec["file_name"] == "E=128,N=1536,device_name=NVIDIA_H200.json" and not rec["shipped_for_this_shape"]
+    assert len(rec["candidate_files"]) == stock_moe.NEAREST and set(rec["configs"]) == {"1", "4096"}
+    for r in rec["rows"]:  # the widest N tile is "fastest" here
+        assert r["best"]["BLOCK_SIZE_N"] == max(c["config"]["BLOCK_SIZE_N"] for c in r["candidates"])
+
+    monkeypatch.setattr(stock_moe, "gpu_timer", lambda shape, path=None: timer_of(None))
+    with pytest.raises(RuntimeError, match="no candidate tile ran at batch 1.*tensor model parallel group"):
+        stock_moe.run_tuning(shape, [1])
