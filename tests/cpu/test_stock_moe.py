@@ -144,10 +144,10 @@ def test_the_tuned_stocks_differ_from_stock_only_in_the_tile_folder_their_server
 
 
 def test_run_tuning_names_sglangs_file_and_says_why_no_tile_ran(monkeypatch):
+    from types import SimpleNamespace
+
     import sglang.srt.utils as sglang_utils
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as c
-
-    from types import SimpleNamespace
 
     for mod in (sglang_utils, c):
         monkeypatch.setattr(mod, "get_device_name", lambda *a: "NVIDIA H200")
@@ -175,3 +175,28 @@ def test_run_tuning_names_sglangs_file_and_says_why_no_tile_ran(monkeypatch):
     monkeypatch.setattr(stock_moe, "gpu_timer", lambda shape, path=None: timer_of(None))
     with pytest.raises(RuntimeError, match="no candidate tile ran at batch 1.*tensor model parallel group"):
         stock_moe.run_tuning(shape, [1])
+
+
+def test_a_checkpoint_is_tuned_once_into_the_folder_its_server_reads(monkeypatch, tmp_path, capsys):
+    import triton
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(geometries.SPACE["a22b_h200"]))
+    tuned = []
+
+    def fake(shape, batches=stock_moe.BATCHES, model_path=None):
+        tuned.append((shape, model_path))
+        return {"file_name": "E=128,N=1536,device_name=NVIDIA_H200.json", "triton": triton.__version__,
+                "configs": {"1": {"BLOCK_SIZE_M": 16}}, "rows": [], "seconds": 1.0}
+
+    monkeypatch.setattr(stock_moe, "run_tuning", fake)
+    dest = tmp_path / "moe"
+    for reused in (False, True):
+        assert stock_moe.main(["--model-path", str(ckpt), "--dir", str(dest)]) == 0
+        out = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
+        assert out["reused"] is reused and out["dir"] == str(dest)
+    assert tuned == [(stock_moe.shape_of(geometries.SPACE["a22b_h200"]), str(ckpt))]  # once
+    written = dest / "configs" / ("triton_" + triton.__version__.replace(".", "_")) / out["file_name"]
+    assert json.loads(written.read_text()) == {"1": {"BLOCK_SIZE_M": 16}}
+    assert json.loads((dest / "tuned.json").read_text())["file_name"] == out["file_name"]
