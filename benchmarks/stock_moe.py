@@ -202,6 +202,13 @@ def gpu_timer(shape: dict, model_path: str | None = None):
     return timer
 
 
+def device_name() -> str:
+    """This GPU as SGLang spells it in a tile file's name."""
+    from sglang.srt.utils import get_device_name
+
+    return get_device_name().replace(" ", "_")
+
+
 def run_tuning(shape: dict, batches=BATCHES, model_path: str | None = None) -> dict:
     """Tune ``shape`` on this GPU: SGLang's file name for it, the tiles and every time."""
     import triton
@@ -209,9 +216,7 @@ def run_tuning(shape: dict, batches=BATCHES, model_path: str | None = None) -> d
         get_config_file_name,
         get_default_config,
     )
-    from sglang.srt.utils import get_device_name
-
-    device = get_device_name().replace(" ", "_")
+    device = device_name()
     root = package_root()
     files = nearest(shipped(root, device), shape["experts"], shape["n"])
     tables = [json.loads(f.read_text()) for f in files]
@@ -230,10 +235,14 @@ def run_tuning(shape: dict, batches=BATCHES, model_path: str | None = None) -> d
 
 def ensure_dir(model_path: str, dest: Path) -> dict:
     """The tuned folder for ``model_path``'s MoE shape on this GPU at ``dest`` (tuned once: kept with
-    its record in ``dest``/tuned.json). Returns the record, ``dir`` added."""
+    its record in ``dest``/tuned.json, tuned again on another GPU or Triton). Returns the record, ``dir`` added."""
+    import triton
+
     rec_path = dest / "tuned.json"
     if rec_path.exists():
-        return {**json.loads(rec_path.read_text()), "dir": str(dest), "reused": True}
+        rec = json.loads(rec_path.read_text())
+        if (rec.get("device_name"), rec.get("triton")) == (device_name(), triton.__version__):
+            return {**rec, "dir": str(dest), "reused": True}
     with open(os.path.join(model_path, "config.json")) as f:
         shape = shape_of(json.load(f))
     rec = run_tuning(shape, model_path=model_path)

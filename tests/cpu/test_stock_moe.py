@@ -188,15 +188,20 @@ def test_a_checkpoint_is_tuned_once_into_the_folder_its_server_reads(monkeypatch
     def fake(shape, batches=stock_moe.BATCHES, model_path=None):
         tuned.append((shape, model_path))
         return {"file_name": "E=128,N=1536,device_name=NVIDIA_H200.json", "triton": triton.__version__,
+                "device_name": stock_moe.device_name(),
                 "configs": {"1": {"BLOCK_SIZE_M": 16}}, "rows": [], "seconds": 1.0}
 
     monkeypatch.setattr(stock_moe, "run_tuning", fake)
+    gpu = ["NVIDIA_H200"]
+    monkeypatch.setattr(stock_moe, "device_name", lambda: gpu[0])
     dest = tmp_path / "moe"
-    for reused in (False, True):
+    for reused, card in ((False, "NVIDIA_H200"), (True, "NVIDIA_H200"), (False, "NVIDIA_H100_80GB_HBM3")):
+        gpu[0] = card
         assert stock_moe.main(["--model-path", str(ckpt), "--dir", str(dest)]) == 0
         out = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
         assert out["reused"] is reused and out["dir"] == str(dest)
-    assert tuned == [(stock_moe.shape_of(geometries.SPACE["a22b_h200"]), str(ckpt))]  # once
+    shape = stock_moe.shape_of(geometries.SPACE["a22b_h200"])
+    assert tuned == [(shape, str(ckpt))] * 2  # once per card
     written = dest / "configs" / ("triton_" + triton.__version__.replace(".", "_")) / out["file_name"]
     assert json.loads(written.read_text()) == {"1": {"BLOCK_SIZE_M": 16}}
     assert json.loads((dest / "tuned.json").read_text())["file_name"] == out["file_name"]
