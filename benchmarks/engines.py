@@ -31,6 +31,7 @@ has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -102,8 +103,6 @@ def moe_tuning(name: str, model_path: str) -> tuple[dict, dict | None]:
     if done.returncode:
         raise RuntimeError(f"{name}: tuning SGLang's MoE tiles failed (rc {done.returncode}): "
                            f"{(done.stdout + done.stderr)[-3000:]}")
-    import json
-
     with open(os.path.join(dest, "tuned.json")) as f:
         rec = json.load(f)
     keep = ("file_name", "device_name", "triton", "shape", "shipped_for_this_shape", "candidate_files", "seconds",
