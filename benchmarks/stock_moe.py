@@ -216,9 +216,10 @@ def run_tuning(shape: dict, batches=BATCHES, model_path: str | None = None) -> d
         get_config_file_name,
         get_default_config,
     )
+
     device = device_name()
-    root = package_root()
-    files = nearest(shipped(root, device), shape["experts"], shape["n"])
+    ours = shipped(package_root(), device)  # (E, N) -> file, scanned once
+    files = nearest(ours, shape["experts"], shape["n"])
     tables = [json.loads(f.read_text()) for f in files]
     t0, timer = time.perf_counter(), gpu_timer(shape, model_path)
     try:
@@ -228,7 +229,7 @@ def run_tuning(shape: dict, batches=BATCHES, model_path: str | None = None) -> d
         raise RuntimeError(f"{err}; the first error: {timer.errors[:1]}") from err
     return {"shape": shape, "device_name": device, "triton": triton.__version__,
             "file_name": get_config_file_name(shape["experts"], shape["n"], None),
-            "shipped_for_this_shape": (shape["experts"], shape["n"]) in shipped(root, device),
+            "shipped_for_this_shape": (shape["experts"], shape["n"]) in ours,
             "candidate_files": [f"{f.parent.name}/{f.name}" for f in files], "seconds": round(time.perf_counter() - t0, 1),
             **out}
 
