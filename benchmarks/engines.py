@@ -98,8 +98,10 @@ def moe_tuning(name: str, model_path: str) -> tuple[dict, dict | None]:
     here = os.path.dirname(os.path.abspath(__file__))
     cache = os.environ.get("TRUE_ON_POLICY_CACHE") or tempfile.gettempdir()
     dest = os.path.join(cache, "stock-moe", os.path.basename(os.path.normpath(model_path)))
+    t0 = time.perf_counter()
     done = subprocess.run([sys.executable, os.path.join(here, "stock_moe.py"), "--model-path", model_path, "--dir", dest],
                           cwd=os.path.dirname(here), capture_output=True, text=True)
+    tune_s = round(time.perf_counter() - t0, 1)  # this start's share: the whole tuning, or reading a kept one
     if done.returncode:
         raise RuntimeError(f"{name}: tuning SGLang's MoE tiles failed (rc {done.returncode}): "
                            f"{(done.stdout + done.stderr)[-3000:]}")
@@ -108,7 +110,7 @@ def moe_tuning(name: str, model_path: str) -> tuple[dict, dict | None]:
     keep = ("file_name", "device_name", "triton", "shape", "shipped_for_this_shape", "candidate_files", "seconds",
             "configs")
     rows = [{k: r[k] for k in ("batch", "default_ms", "best_ms", "best_is_default")} for r in rec["rows"]]
-    return {"SGLANG_MOE_CONFIG_DIR": dest}, {**{k: rec.get(k) for k in keep}, "rows": rows}
+    return {"SGLANG_MOE_CONFIG_DIR": dest}, {**{k: rec.get(k) for k in keep}, "rows": rows, "tune_s": tune_s}
 
 
 def start_engine(name, model_path, mem, env_vars: dict | None = None):

@@ -258,7 +258,8 @@ class Run:
         return self.fits(seconds)
 
     def start_estimate(self) -> float:
-        return max((s.get("start_s") or 0.0 for s in self.starts), default=0.0)
+        """The slowest start seen, less any MoE tuning in it (done once per checkpoint, read back by later starts)."""
+        return max(((s.get("start_s") or 0.0) - (s.get("tune_s") or 0.0) for s in self.starts), default=0.0)
 
     def _step_s(self) -> float:
         return max((p["seconds"] / max(self.draws[w].new_tokens) for w in self.workloads
@@ -282,7 +283,9 @@ class Run:
         rec = {**(var.engine or {}), "contract": variant_contract(var.name),
                "start_s": None if getattr(var, "start_s", None) is None else round(var.start_s, 1)}
         self.engines[var.name] = rec
-        self.starts.append({"variant": var.name, "start_s": rec["start_s"], "warmups": {}})
+        tune_s = ((var.engine or {}).get("moe_tuned") or {}).get("tune_s")
+        self.starts.append({"variant": var.name, "start_s": rec["start_s"], **({"tune_s": tune_s} if tune_s else {}),
+                            "warmups": {}})
 
     def warm(self, var, w: str) -> None:
         r = var.ask(f"warm {w}")

@@ -436,7 +436,7 @@ def test_each_workload_is_judged_against_its_fastest_stock_never_the_determinist
 # ---------------------------------------------------------------- whole runs on stand-in variant processes
 
 
-def _stand_ins(monkeypatch, tmp_path, cut_after=None, fail=(), seconds=1.0):
+def _stand_ins(monkeypatch, tmp_path, cut_after=None, fail=(), seconds=1.0, tune=None):
     """main() on a stand-in checkpoint with stand-in variant processes (each pass takes ``seconds``
     on a stand-in clock; the ``cut_after``-th start raises as a time limit does; a variant in
     ``fail`` does not start). Returns the (variant, command) list asked and the starts."""
@@ -458,8 +458,11 @@ def _stand_ins(monkeypatch, tmp_path, cut_after=None, fail=(), seconds=1.0):
                 raise KeyboardInterrupt("the call's time limit")
             if name in fail:
                 raise throughput.StartFailed(f"{name}: no flashinfer")
-            clock["t"] += 10.0
-            self.name, self.workloads, self.engine, self.start_s, self.n = name, list(names), {"v": name}, 10.0, 0
+            tune_s = (tune or {}).pop(name, 0.0)  # a tuned stock's first start tunes its tiles (its start counts it)
+            clock["t"] += 10.0 + tune_s
+            self.name, self.workloads, self.engine, self.start_s, self.n = name, list(names), {"v": name}, 10.0 + tune_s, 0
+            if tune_s:
+                self.engine["moe_tuned"] = {"tune_s": tune_s}
 
         def ask(self, cmd):
             asked.append((self.name, cmd))
@@ -815,6 +818,27 @@ def test_the_time_budget_counts_the_checkpoint_build(monkeypatch, tmp_path):
             c.__setitem__("t", c["t"] + b), m)[1])
         assert throughput.main(args) == throughput.EXIT_INCOMPLETE
         assert clock["t"] <= 150.0 and bool(starts) == ran  # after a 100 s build, the next start does not fit
+
+
+def test_a_moe_tuning_in_one_start_is_not_expected_of_the_next(monkeypatch, tmp_path):
+    """Stand-ins: 10 s a start, plus 200 s of MoE tuning in stock_moe's (done once per checkpoint), 20 ms a
+    decode step. Under a 400 s budget, after stock_moe's round the next engine's start is estimated at
+    10 s, not 210 s: the call goes on to start tpo and finishes the run."""
+    out = tmp_path / "t.json"
+    args = ["--geometry", "h3072e64k4", "--one-engine", "--repeats", "1", "--workload", "plain", "tail",
+            "--variants", "stock_moe", "tpo", "--prompts", "8", "--min-prompt", "4", "--max-prompt", "9",
+            "--new-tokens", "6", "--resume", "--time-budget", "400", "--out", str(out)]
+    _, starts, clock = _stand_ins(monkeypatch, tmp_path, seconds=_decode_seconds, tune={"stock_moe": 200.0})
+    assert throughput.main(args) == 0 and starts == ["stock_moe", "tpo"] and clock["t"] <= 400.0
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["starts"][0]["tune_s"] == 200.0 and d["starts"][0]["start_s"] == 210.0
+    assert "tune_s" not in d["starts"][1]
+    # counted whole, the tuning would have left no room for tpo's round: the same run stops before it
+    run = throughput.Run.__new__(throughput.Run)
+    run.starts = [dict(d["starts"][0], tune_s=None), d["starts"][1]]
+    assert run.start_estimate() == 210.0
+    run.starts = d["starts"]
+    assert run.start_estimate() == 10.0
 
 
 def test_a_step_longer_than_the_whole_budget_stops_with_its_estimate(monkeypatch, tmp_path, capsys):
