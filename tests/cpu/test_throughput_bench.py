@@ -833,7 +833,7 @@ def test_a_moe_tuning_in_one_start_is_not_expected_of_the_next(monkeypatch, tmp_
     d = json.loads(out.read_text())
     assert d["complete"] and d["starts"][0]["tune_s"] == 200.0 and d["starts"][0]["start_s"] == 210.0
     assert "tune_s" not in d["starts"][1]
-    # counted whole, the tuning would have left no room for tpo's round: the same run stops before it
+    # the estimate with the tuning counted (210 s: tpo's round would not fit) and without it
     run = throughput.Run.__new__(throughput.Run)
     run.starts = [dict(d["starts"][0], tune_s=None), d["starts"][1]]
     assert run.start_estimate() == 210.0
