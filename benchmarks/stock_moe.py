@@ -275,11 +275,11 @@ def main(argv=None) -> int:
     prov = provenance(None if argv is None else ["python", "benchmarks/stock_moe.py", *argv])
     import tempfile
 
-    from transformers import Qwen3MoeConfig
+    from true_on_policy.tiny_model import hf_config
 
     spec = geometries.spec(a.geometry)
     with tempfile.TemporaryDirectory() as ckpt:  # the config SGLang's server arguments read: no weights needed
-        Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], **{k: v for k, v in spec.items() if k != "seed"}).save_pretrained(ckpt)
+        hf_config(spec).save_pretrained(ckpt)
         rec = run_tuning(shape_of(spec), a.batches, model_path=ckpt)
     doc = {"provenance": prov, "geometry": a.geometry, **rec}
     if a.out:

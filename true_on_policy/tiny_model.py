@@ -95,18 +95,25 @@ def build_tokenizer(folder: Path):
     return fast
 
 
+def hf_config(spec: dict, **tokens):
+    """The ``Qwen3MoeConfig`` of geometry ``spec`` (its seed left out), every layer sparse;
+    ``tokens``: the tokenizer's special ids."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **{k: v for k, v in spec.items() if k != "seed"}, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False, torch_dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"], **tokens,
+    )
+
+
 def build(folder: Path, spec: dict) -> None:
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     spec = dict(spec)
     seed = spec.pop("seed")
     tok = build_tokenizer(folder)
-    cfg = Qwen3MoeConfig(
-        **spec, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.pad_token_id,
-        torch_dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"],
-    )
+    cfg = hf_config(spec, eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.pad_token_id)
     gen = torch.manual_seed(seed)
     # the small geometries keep their fp32 init (then rounded); a real-shape one is initialised
     # in bf16 on the GPU when there is one (a 30B model in fp32 would not fit, a CPU init is slow)
