@@ -134,7 +134,8 @@ def shape_of(config: dict, tp: int = 1) -> dict:
     n = config["moe_intermediate_size"]
     if n % tp:
         raise ValueError(f"moe_intermediate_size {n} does not divide by TP {tp}")
-    return {"experts": config["num_experts"], "n": n // tp, "hidden": config["hidden_size"],
+    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
+    return {"experts": experts, "n": n // tp, "hidden": config["hidden_size"],
             "top_k": config["num_experts_per_tok"]}
 
 
