@@ -98,6 +98,18 @@ def test_shape_of_is_the_per_rank_shape_sglang_names_its_file_by():
         stock_moe.shape_of(spec, tp=5)
 
 
+def test_shape_of_reads_the_config_json_a_saved_checkpoint_has(tmp_path):
+    """transformers writes a Qwen3MoeConfig's expert count as ``num_local_experts``; the tuner reads that file."""
+    from true_on_policy import tiny_model
+    spec = geometries.SPACE["h1536e256k6"]
+    tiny_model.hf_config(spec).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "num_experts" not in config
+    assert stock_moe.shape_of(config) == stock_moe.shape_of(spec) == {
+        "experts": spec["num_experts"], "n": spec["moe_intermediate_size"], "hidden": spec["hidden_size"],
+        "top_k": spec["num_experts_per_tok"]}
+
+
 def test_the_tuned_stocks_differ_from_stock_only_in_the_tile_folder_their_servers_read(monkeypatch, tmp_path):
     assert engines.stock_args("stock_moe") == engines.stock_args("stock")
     assert engines.stock_args("stock_fi_moe") == engines.stock_args("stock_fi")
