@@ -318,3 +318,16 @@ print("ok")
 """
     r = run_py(code, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_hf_fields_of_a_config_json_are_those_of_its_config_however_transformers_spelled_it(path, hf):
+    """A config.json saved by transformers 5 (``num_local_experts``, ``rope_parameters``) and the same config
+    spelled as hub checkpoints are (``num_experts``, ``rope_theta``) give the fields of the loaded config."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(path) / "config.json").read_text())
+    hub = {k: v for k, v in saved.items() if k not in ("num_local_experts", "rope_parameters")}
+    hub.update(num_experts=saved["num_local_experts"], rope_theta=saved["rope_parameters"]["rope_theta"])
+    assert "num_experts" not in saved
+    assert tm.hf_fields(saved) == tm.hf_fields(hub) == tm.hf_fields(hf.config)

@@ -163,3 +163,41 @@ def test_main_process_distributed_update_judges_the_announced_tensors(tmp_path, 
     got, msg = asyncio.run(wu._main_dist(original)(tm, types.SimpleNamespace(names=names, dtypes=dtypes,
                                                                              shapes=shapes)))
     assert got is ok, msg
+
+
+HUB = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 16, "hidden_size": 8,
+       "intermediate_size": 12, "moe_intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 2,
+       "num_key_value_heads": 1, "head_dim": 4, "num_experts": 1, "num_experts_per_tok": 1, "norm_topk_prob": True,
+       "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 64, "torch_dtype": "bfloat16"}
+
+
+def _saved_by_transformers(cfg: dict) -> dict:
+    """config.json as this transformers' ``save_pretrained`` writes the model ``cfg`` describes."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**cfg).to_dict()
+
+
+def test_the_same_model_saved_by_transformers_5_fits_a_hub_checkpoint(tmp_path):
+    """A trainer's ``save_pretrained`` of the running model renames fields (``num_local_experts``,
+    ``rope_parameters``): the same values, so the update fits."""
+    saved = _saved_by_transformers(HUB)
+    assert "num_experts" not in saved and "rope_theta" not in saved and "num_local_experts" in saved
+    cur = checkpoint.read_table(_ckpt(tmp_path / "hub", HUB))[:2]
+    new = checkpoint.read_table(_ckpt(tmp_path / "saved", saved))
+    assert new[2] == [] and checkpoint.update_problems(cur, new[:2]) == []
+
+
+def test_a_change_under_a_renamed_field_is_one_problem_named_once(tmp_path):
+    cur = checkpoint.read_table(_ckpt(tmp_path / "hub", HUB))[:2]
+    for change, field in (({"num_experts": 2}, "num_experts"), ({"rope_theta": 10000.0}, "rope_parameters")):
+        new = checkpoint.read_table(_ckpt(tmp_path / field, _saved_by_transformers({**HUB, **change})))[:2]
+        found = checkpoint.update_problems(cur, new)
+        assert len(found) == 1 and found[0].startswith(f"config.json {field}:"), found
+
+
+def test_a_config_transformers_cannot_read_is_refused_with_its_reason(tmp_path):
+    cur = checkpoint.read_table(_ckpt(tmp_path / "hub", HUB))[:2]
+    new = checkpoint.read_table(_ckpt(tmp_path / "bad", {**HUB, "hidden_size": "eight"}))[:2]
+    found = checkpoint.update_problems(cur, new)
+    assert len(found) == 1 and "cannot read it" in found[0] and "hidden_size" in found[0], found

@@ -13,7 +13,10 @@ headers (8-byte length, JSON header; no tensor bytes are read).
 - ``tensor_problems(current, named)``: a tensor or distributed update, a subset of the names, each
   with the running shape and dtype.
 
-Pure Python: json and os.
+Pure Python (json and os), but for reading a config.json as transformers does: one model saved by two transformers
+versions spells fields two ways (a hub checkpoint's ``num_experts``, ``rope_theta`` and ``rope_scaling``; a
+transformers 5 ``save_pretrained``'s ``num_local_experts`` and ``rope_parameters``), and SGLang builds the model from
+the values transformers resolves, so those are the values compared.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ ARCH_FIELDS = (
     "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "use_sliding_window", "sliding_window", "quantization_config",
 )
+# a field transformers resolves to another's value: one change of the model is one problem
+ALIASES = {"num_local_experts": "num_experts", "rope_scaling": "rope_parameters"}
 # safetensors dtype names -> torch dtype names
 DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
@@ -94,9 +99,29 @@ def read_table(path) -> tuple[dict, dict, list[str]]:
     return config, table, problems
 
 
+def resolved(config: dict) -> tuple[dict, str | None]:
+    """(``ARCH_FIELDS`` of ``config`` as transformers' config class resolves them, None), or (the raw fields, why
+    transformers cannot read it)."""
+    try:
+        from transformers import AutoConfig
+
+        c = AutoConfig.for_model(**config)
+    except Exception as e:  # noqa: BLE001 - any failure to read it is a reason to report, not to crash the update
+        return {k: config.get(k) for k in ARCH_FIELDS}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
+    return {k: getattr(c, k, None) for k in ARCH_FIELDS}, None
+
+
 def config_problems(current: dict, new: dict) -> list[str]:
-    return [f"config.json {k}: {new.get(k)!r}, the running model has {current.get(k)!r}"
-            for k in ARCH_FIELDS if current.get(k) != new.get(k)]
+    """The ``ARCH_FIELDS`` ``new`` resolves differently from ``current``; a ``new`` transformers cannot read, where it
+    reads ``current``, is a problem of its own."""
+    (cur, cur_err), (got, new_err) = resolved(current), resolved(new)
+    if new_err and not cur_err:
+        return [f"config.json: transformers cannot read it as the running model's config ({new_err})"]
+    if bool(cur_err) != bool(new_err):
+        cur, got = {k: current.get(k) for k in ARCH_FIELDS}, {k: new.get(k) for k in ARCH_FIELDS}
+    differ = [k for k in ARCH_FIELDS if cur[k] != got[k]]
+    differ = [k for k in differ if not (ALIASES.get(k) in differ and (cur[k], got[k]) == (cur[ALIASES[k]], got[ALIASES[k]]))]
+    return [f"config.json {k}: {got[k]!r}, the running model has {cur[k]!r}" for k in differ]
 
 
 def _cap(items: list[str], most: int = 20) -> list[str]:

@@ -28,9 +28,17 @@ class MegatronLayoutError(ValueError):
 
 
 def hf_fields(hf_config) -> dict:
-    """The Qwen3-MoE config values the forward needs (a transformers config or a plain dict)."""
-    get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, dict) else \
-        (lambda k, d=None: getattr(hf_config, k, d))
+    """The Qwen3-MoE config values the forward needs (a transformers config, or a config.json's dict, read as
+    transformers reads it: a hub checkpoint's ``num_experts`` / ``rope_theta`` and a transformers 5 save's
+    ``num_local_experts`` / ``rope_parameters`` give the same fields)."""
+    if isinstance(hf_config, dict):
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.for_model(**hf_config)
+
+    def get(k, d=None):
+        return getattr(hf_config, k, d)
+
     rope = dict(get("rope_parameters") or get("rope_scaling") or {})
     return dict(
         vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
