@@ -34,7 +34,7 @@ def hf_fields(hf_config) -> dict:
     if isinstance(hf_config, dict):
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.for_model(**hf_config)
+        hf_config = AutoConfig.for_model(**{"model_type": "qwen3_moe", **hf_config})
 
     def get(k, d=None):
         return getattr(hf_config, k, d)
