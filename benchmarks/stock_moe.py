@@ -130,13 +130,15 @@ def write_dir(dest: Path, root: Path, file_name: str, configs: dict, triton_vers
 
 
 def shape_of(config: dict, tp: int = 1) -> dict:
-    """The MoE shape SGLang names its tile file by, from a checkpoint's config.json."""
-    n = config["moe_intermediate_size"]
+    """The MoE shape SGLang names its tile file by, from a checkpoint's config.json (or a geometry's spec), read as
+    transformers reads it."""
+    from true_on_policy.contract.checkpoint import as_transformers
+
+    c = as_transformers(config, "qwen3_moe")
+    n = c.moe_intermediate_size
     if n % tp:
         raise ValueError(f"moe_intermediate_size {n} does not divide by TP {tp}")
-    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
-    return {"experts": experts, "n": n // tp, "hidden": config["hidden_size"],
-            "top_k": config["num_experts_per_tok"]}
+    return {"experts": c.num_experts, "n": n // tp, "hidden": c.hidden_size, "top_k": c.num_experts_per_tok}
 
 
 def gpu_timer(shape: dict, model_path: str | None = None):

@@ -99,13 +99,19 @@ def read_table(path) -> tuple[dict, dict, list[str]]:
     return config, table, problems
 
 
+def as_transformers(config: dict, model_type: str | None = None):
+    """The transformers config a config.json's dict describes, aliases resolved as the model is built from it
+    (``model_type``: the type of a dict that names none; without it, such a dict is an error)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**{**({"model_type": model_type} if model_type else {}), **config})
+
+
 def resolved(config: dict) -> tuple[dict, str | None]:
     """(``ARCH_FIELDS`` of ``config`` as transformers' config class resolves them, None), or (the raw fields, why
     transformers cannot read it)."""
     try:
-        from transformers import AutoConfig
-
-        c = AutoConfig.for_model(**config)
+        c = as_transformers(config)
     except Exception as e:  # noqa: BLE001 - any failure to read it is a reason to report, not to crash the update
         return {k: config.get(k) for k in ARCH_FIELDS}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"
     return {k: getattr(c, k, None) for k in ARCH_FIELDS}, None
@@ -117,7 +123,7 @@ def config_problems(current: dict, new: dict) -> list[str]:
     (cur, cur_err), (got, new_err) = resolved(current), resolved(new)
     if new_err and not cur_err:
         return [f"config.json: transformers cannot read it as the running model's config ({new_err})"]
-    if bool(cur_err) != bool(new_err):
+    if cur_err:  # the running config is not one transformers reads: compare both as written
         cur, got = {k: current.get(k) for k in ARCH_FIELDS}, {k: new.get(k) for k in ARCH_FIELDS}
     differ = [k for k in ARCH_FIELDS if cur[k] != got[k]]
     differ = [k for k in differ if not (ALIASES.get(k) in differ and (cur[k], got[k]) == (cur[ALIASES[k]], got[ALIASES[k]]))]

@@ -32,9 +32,9 @@ def hf_fields(hf_config) -> dict:
     transformers reads it: a hub checkpoint's ``num_experts`` / ``rope_theta`` and a transformers 5 save's
     ``num_local_experts`` / ``rope_parameters`` give the same fields)."""
     if isinstance(hf_config, dict):
-        from transformers import AutoConfig
+        from true_on_policy.contract.checkpoint import as_transformers
 
-        hf_config = AutoConfig.for_model(**{"model_type": "qwen3_moe", **hf_config})
+        hf_config = as_transformers(hf_config, "qwen3_moe")
 
     def get(k, d=None):
         return getattr(hf_config, k, d)
