@@ -8,7 +8,8 @@ step holds that stock's lacks (``step_ops.py``).
 Each variant (``engines.py``) runs in its own process on SGLang's own ``ModelRunner`` (the one the
 scheduler drives: same server arguments, CUDA graphs captured up to the largest batch, T = 1.0
 with log-probs on, one seed per request; ``qwen`` adds top_k 20 / top_p 0.95), the way
-``sglang.benchmark.one_batch`` drives it. For each workload and decode batch B: B prompts of
+``sglang.benchmark.one_batch`` drives it; ``stock_moe`` and ``stock_fi_moe`` first tune SGLang's MoE tiles for
+the checkpoint's shape on this GPU (``engines.moe_tuning``, as their servers in ``throughput.py`` do). For each workload and decode batch B: B prompts of
 ``--context`` tokens are prefilled, 3 decode steps warm up, ``--steps`` steps run under
 ``torch.profiler`` (CPU and CUDA), then 20 more are timed with CUDA events (median: ``step_ms``).
 The prefill is ``--prefill-requests`` requests (default 1) of ``--prefill`` tokens in all, in one extend
@@ -41,12 +42,12 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_ops  # noqa: E402
-from engines import CONTRACTS, STOCK_EXTRA, TPO_ENV, stock_args  # noqa: E402
+from engines import CONTRACTS, STOCK_EXTRA, TPO_ENV, moe_tuning, stock_args  # noqa: E402
 from timing import cuda_ms  # noqa: E402
 from workloads import QWEN_SAMPLING  # noqa: E402
 
-VARIANTS = ("stock", "stock_fi", "tpo", "tpo_flat", "tpo_v1", "tpo_w2", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup",
-            "tpo_pflat", "tpo_pchoose", "tpo_v1_segtma")
+VARIANTS = ("stock", "stock_fi", "stock_moe", "stock_fi_moe", "tpo", "tpo_flat", "tpo_v1", "tpo_w2", "tpo_qknr",
+            "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose", "tpo_v1_segtma")
 SAMPLING = {"plain": {}, "qwen": QWEN_SAMPLING}  # the workloads' per-request sampling
 
 
@@ -135,6 +136,8 @@ def phase(variant: str, model_path: str, a, workdir: str) -> dict:
     from sglang.benchmark import one_batch as ob
     from sglang.srt.server_args import PortArgs
 
+    tuned_env, tuned = moe_tuning(variant, model_path)  # stock_moe: SGLang reads the tuned tiles when it loads
+    os.environ.update(tuned_env)
     server_args = _server_args(variant, model_path, max(a.batches), a.mem, os.path.join(workdir, "manifests"))
     ob._set_envs_and_config(server_args)
     runner, _ = ob.load_model(server_args, PortArgs.init_new(server_args), 0, 0)
@@ -157,7 +160,7 @@ def phase(variant: str, model_path: str, a, workdir: str) -> dict:
     result = {"variant": variant, "server_args": {k: str(getattr(server_args, k, None)) for k in (
         "attention_backend", "sampling_backend", "enable_deterministic_inference", "rl_on_policy_target",
         "disable_cuda_graph", "cuda_graph_max_bs_decode")}, "contract": variant_contract(variant),
-        "decode_workloads": {}, "prefill": None}
+        "decode_workloads": {}, "prefill": None, **({"moe_tuned": tuned} if tuned else {})}
     for w in a.workload:
         rows = result["decode_workloads"][w] = {}
         for b in a.batches:

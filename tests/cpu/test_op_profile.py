@@ -257,3 +257,38 @@ def test_prefill_requests_outside_one_to_the_tokens_are_refused(requests, capsys
     with pytest.raises(SystemExit):
         op_profile.main(["--prefill", "4096", "--prefill-requests", str(requests)])
     assert "--prefill-requests" in capsys.readouterr().err
+
+
+class _Loaded(Exception):
+    """Where the stand-in server arguments stop ``phase``: before any model loads."""
+
+
+@pytest.mark.parametrize("variant,tuned", [("stock_moe", "/cache/stock-moe/ckpt"), ("stock", None)])
+def test_a_tuned_stock_profiles_with_its_tuned_moe_tiles(monkeypatch, tmp_path, variant, tuned):
+    """``stock_moe``'s phase points SGLang at the tiles tuned for the checkpoint before its server
+    arguments exist (SGLang reads them when it loads); plain ``stock`` gets no such folder."""
+    import engines
+    import op_profile
+
+    monkeypatch.delenv("SGLANG_MOE_CONFIG_DIR", raising=False)
+    calls = []
+
+    def fake_tuning(name, model_path):
+        calls.append((name, model_path))
+        if name not in engines.MOE_TUNED:
+            return {}, None
+        return {"SGLANG_MOE_CONFIG_DIR": "/cache/stock-moe/ckpt"}, {"file_name": "E=128,N=1536,device_name=X.json"}
+
+    seen = {}
+
+    def fake_server_args(v, model_path, max_bs, mem, manifest_dir):
+        seen["dir"] = __import__("os").environ.get("SGLANG_MOE_CONFIG_DIR")
+        raise _Loaded
+
+    monkeypatch.setattr(op_profile, "moe_tuning", fake_tuning)
+    monkeypatch.setattr(op_profile, "_server_args", fake_server_args)
+    pytest.importorskip("sglang.benchmark.one_batch")
+    with pytest.raises(_Loaded):
+        op_profile.phase(variant, "/ckpt", SimpleNamespace(batches=[1, 4], mem=0.85), str(tmp_path))
+    assert calls == [(variant, "/ckpt")] and seen["dir"] == tuned
+    assert "stock_moe" in op_profile.VARIANTS and "stock_fi_moe" in op_profile.VARIANTS
