@@ -6,6 +6,7 @@ finishes a committed file with stock done by running only the missing variants (
 runner), each variant keeping the provenance of the run that measured it."""
 
 import json
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -282,7 +283,7 @@ def test_a_tuned_stock_profiles_with_its_tuned_moe_tiles(monkeypatch, tmp_path, 
     seen = {}
 
     def fake_server_args(v, model_path, max_bs, mem, manifest_dir):
-        seen["dir"] = __import__("os").environ.get("SGLANG_MOE_CONFIG_DIR")
+        seen["dir"] = os.environ.get("SGLANG_MOE_CONFIG_DIR")
         raise _Loaded
 
     monkeypatch.setattr(op_profile, "moe_tuning", fake_tuning)
