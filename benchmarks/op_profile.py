@@ -11,8 +11,8 @@ with log-probs on, one seed per request; ``qwen`` adds top_k 20 / top_p 0.95), t
 ``sglang.benchmark.one_batch`` drives it; ``stock_moe`` and ``stock_fi_moe`` first tune SGLang's MoE
 tiles for the checkpoint's shape on this GPU (``engines.moe_tuning``, as their servers in
 ``throughput.py`` do). For each workload and decode batch B: B prompts of ``--context`` tokens are
-prefilled, 3 decode steps warm up, ``--steps`` steps run under ``torch.profiler`` (CPU and CUDA), then 20 more are timed with CUDA events (median: ``step_ms``).
-The prefill is ``--prefill-requests`` requests (default 1) of ``--prefill`` tokens in all, in one extend
+prefilled, 3 decode steps warm up, ``--steps`` steps run under ``torch.profiler`` (CPU and CUDA),
+then 20 more are timed with CUDA events (median: ``step_ms``). The prefill is ``--prefill-requests`` requests (default 1) of ``--prefill`` tokens in all, in one extend
 batch, profiled after a warm-up prefill of the same shape: one long request weighs the attention's
 quadratic part, many short ones (``plain``'s prompts are 64-512 tokens) the GEMMs and the MoE.
 
