@@ -5,16 +5,16 @@ step holds that stock's lacks (``step_ops.py``).
     PYTHONPATH=.:$PYTHONPATH python benchmarks/op_profile.py --geometry a3b48 --batches 1 4 16 64 \\
         --variants stock tpo tpo_v1 --workload plain qwen --mem 0.85 --resume --out evidence/profile-tail-a3b48.json
 
-Each variant (``engines.py``) runs in its own process on SGLang's own ``ModelRunner`` (the one the
-scheduler drives: same server arguments, CUDA graphs captured up to the largest batch, T = 1.0
-with log-probs on, one seed per request; ``qwen`` adds top_k 20 / top_p 0.95), the way
-``sglang.benchmark.one_batch`` drives it; ``stock_moe`` and ``stock_fi_moe`` first tune SGLang's MoE
-tiles for the checkpoint's shape on this GPU (``engines.moe_tuning``, as their servers in
-``throughput.py`` do). For each workload and decode batch B: B prompts of ``--context`` tokens are
-prefilled, 3 decode steps warm up, ``--steps`` steps run under ``torch.profiler`` (CPU and CUDA),
-then 20 more are timed with CUDA events (median: ``step_ms``). The prefill is ``--prefill-requests`` requests (default 1) of ``--prefill`` tokens in all, in one extend
-batch, profiled after a warm-up prefill of the same shape: one long request weighs the attention's
-quadratic part, many short ones (``plain``'s prompts are 64-512 tokens) the GEMMs and the MoE.
+Each variant (``engines.py``) runs in its own process on SGLang's own ``ModelRunner`` (the one the scheduler
+drives: same server arguments, CUDA graphs captured up to the largest batch, T = 1.0 with log-probs on, one
+seed per request; ``qwen`` adds top_k 20 / top_p 0.95), the way ``sglang.benchmark.one_batch`` drives it;
+``stock_moe`` and ``stock_fi_moe`` first tune SGLang's MoE tiles for the checkpoint's shape on this GPU
+(``engines.moe_tuning``, as their servers in ``throughput.py`` do). For each workload and decode batch B: B
+prompts of ``--context`` tokens are prefilled, 3 decode steps warm up, ``--steps`` steps run under
+``torch.profiler`` (CPU and CUDA), then 20 more are timed with CUDA events (median: ``step_ms``). The prefill
+is ``--prefill-requests`` requests (default 1) of ``--prefill`` tokens in all, in one extend batch, profiled
+after a warm-up prefill of the same shape: one long request weighs the attention's quadratic part, many short
+ones (``plain``'s prompts are 64-512 tokens) the GEMMs and the MoE.
 
 The evidence (``--out``, its tables rendered as markdown in ``table``) is rewritten after each
 variant, each variant with the ``provenance`` of the run that measured it (the file's own is the
