@@ -271,7 +271,8 @@ def test_a_tuned_stock_profiles_with_its_tuned_moe_tiles(monkeypatch, tmp_path, 
     import engines
     import op_profile
 
-    monkeypatch.delenv("SGLANG_MOE_CONFIG_DIR", raising=False)
+    monkeypatch.setenv("SGLANG_MOE_CONFIG_DIR", "")  # recorded, so that teardown removes what phase sets
+    monkeypatch.delenv("SGLANG_MOE_CONFIG_DIR")
     calls = []
 
     def fake_tuning(name, model_path):
