@@ -123,8 +123,8 @@ def config_problems(current: dict, new: dict) -> list[str]:
     (cur, cur_err), (got, new_err) = resolved(current), resolved(new)
     if new_err and not cur_err:
         return [f"config.json: transformers cannot read it as the running model's config ({new_err})"]
-    if cur_err:  # the running config is not one transformers reads: compare both as written
-        cur, got = {k: current.get(k) for k in ARCH_FIELDS}, {k: new.get(k) for k in ARCH_FIELDS}
+    if cur_err:  # the running config is not one transformers reads (``cur`` is as written): compare new as written too
+        got = {k: new.get(k) for k in ARCH_FIELDS}
     differ = [k for k in ARCH_FIELDS if cur[k] != got[k]]
     differ = [k for k in differ if not (ALIASES.get(k) in differ and (cur[k], got[k]) == (cur[ALIASES[k]], got[ALIASES[k]]))]
     return [f"config.json {k}: {got[k]!r}, the running model has {cur[k]!r}" for k in differ]
