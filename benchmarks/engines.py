@@ -25,7 +25,9 @@ runs the norm in launches of its own (``separate``); ``tpo`` runs the MoE's silu
 (the default), ``tpo_silusep`` names it explicitly (``TRUE_ON_POLICY_MOE_SILU=separate``) and ``tpo_siluup``
 has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill attention's flat loop
 (``TRUE_ON_POLICY_PREFILL_LOOP=flat``) and ``tpo_pchoose`` the prefill tile timed at start-up (``choose``);
-``tpo_v1_segtma`` is ``tpo_v1`` with the tree down projection's weights by TMA (``TRUE_ON_POLICY_SEG_TMA=tma``).
+``tpo_v1_segtma`` is ``tpo_v1`` with the tree down projection's weights by TMA (``TRUE_ON_POLICY_SEG_TMA=tma``);
+``tpo_moetok`` and ``tpo_v1_moetok`` are ``tpo`` and ``tpo_v1`` with the MoE GEMMs' tiles above the decode path
+by the token count (``TRUE_ON_POLICY_MOE_TILES=tokens``; the default: by the rows per expert).
 ``TPO_ENV`` holds them: the same bits, speed only.
 """
 
@@ -40,7 +42,7 @@ import time
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
 CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1", "tpo_w2": "qwen3_moe_true_on_policy_w2_preview_v1",
-             "tpo_v1_segtma": "qwen3_moe_true_on_policy_v1"}
+             "tpo_v1_segtma": "qwen3_moe_true_on_policy_v1", "tpo_v1_moetok": "qwen3_moe_true_on_policy_v1"}
 TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant's environment (speed only)
            "tpo_fixed": {"TRUE_ON_POLICY_DECODE_TILES": "fixed"},
            "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"},
@@ -49,7 +51,9 @@ TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant'
            "tpo_siluup": {"TRUE_ON_POLICY_MOE_SILU": "up"},
            "tpo_pflat": {"TRUE_ON_POLICY_PREFILL_LOOP": "flat"},
            "tpo_pchoose": {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"},
-           "tpo_v1_segtma": {"TRUE_ON_POLICY_SEG_TMA": "tma"}}
+           "tpo_v1_segtma": {"TRUE_ON_POLICY_SEG_TMA": "tma"},
+           "tpo_moetok": {"TRUE_ON_POLICY_MOE_TILES": "tokens"},
+           "tpo_v1_moetok": {"TRUE_ON_POLICY_MOE_TILES": "tokens"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

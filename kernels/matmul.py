@@ -12,7 +12,8 @@ ranks (column parallel) changes no output element. Tile sizes are constants (bel
 for every token count, except the TMA tiles and the tree GEMMs' tiles at decode row counts under
 DECODE_TILES (``decode_tile``, ``dense_decode_tile``, ``split_tiles``, ``tree_tiles``, ``seg_tiles``: chosen from the GEMM's
 shape and the device's SM count, the segments' K chunks kept) and the tile tables of the tree-width-1 GEMMs
-(``ROW_TMA``, ``DOWN_TMA``), whose tiles all compute the same bits (checked on the GPU); ``M`` is
+(``ROW_TMA``, ``DOWN_TOKENS``) and of the MoE's grouped GEMMs (``GROUPED_UP_ROWS``, ``DOWN_TMA``: by the rows
+per expert), whose tiles all compute the same bits (checked on the GPU); ``M`` is
 not specialised by Triton (``do_not_specialize``).
 """
 
@@ -251,21 +252,48 @@ def _tree_kernel(P, OUT, MN, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
 DECODE_ROWS = 256  # the largest decode batch of the bounds below (SGLang's graphs on one H200)
 ROW_TMA = ((DECODE_ROWS, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
            (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)))
-# The down projection as one plain grouped GEMM (``grouped_matmul(role="down", tree=False)``), by
-# the call's token count (the same sweep): 32x128x64 up to a decode batch, 128x256x64 above it.
-DOWN_TMA = ((DECODE_ROWS, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
-            (None, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)))
+# The down projection as one plain grouped GEMM (``grouped_matmul(role="down", tree=False)``) by the call's token
+# count alone, where the call gives no slots or under MOE_TOKEN_TILES (the same sweep, at 30B-A3B's layer): 32x128x64
+# up to a decode batch, 128x256x64 above it.
+DOWN_TOKENS = ((DECODE_ROWS, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
+               (None, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)))
 
 # Tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): o_proj and the MoE down projection as the
 # 2-segment tree s0 + s1 in the TMA kernels (SEGMENTS=2): each half of K its own fp32 K loop from zero
 # in BLOCK_K chunks, the halves added once. o_proj takes the "row" tiles (``tma_tiles``); a down
-# projection program keeps both halves' accumulators (DOWN_TMA's 128 x 256 would need 2 x 128
+# projection program keeps both halves' accumulators (DOWN_TOKENS' 128 x 256 would need 2 x 128
 # accumulator registers a thread), and above the decode rows it takes 64 x 128 in 4 warps, the
 # sweep's choice at 30B-A3B's layer (benchmarks/gemm_sweep.py --gemms down_w2). Each half runs the
 # same 16-wide MMA steps from its first column whatever the tile, so every tile computes the same
 # bits, and a TP-2 rank's plain loop over its half computes that half (GPU tier: test_halves_equal_tree).
-DOWN2_TMA = ((DECODE_ROWS, DOWN_TMA[0][1]),
+DOWN2_TMA = ((DECODE_ROWS, DOWN_TOKENS[0][1]),
              (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)))
+
+# The MoE's grouped TMA GEMMs above the decode path (gate/up; the flat down projection) by the rows an expert in
+# use receives from the call's tokens (``expert_groups``; tables in the same form, bounds on those rows): wider
+# tiles pay off as the experts' row groups grow, whatever the layer's width. The fastest of
+# benchmarks/gemm_sweep.py's candidates at four layer shapes (30B-A3B, 235B-A22B, h3072e64k4, h1536e256k6;
+# --gemms gate_up down_flat), every candidate the same bits. Under EP the rows are counted over every rank's
+# slots (a wider tile sooner: speed only).
+GROUPED_UP_ROWS = ((63, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)),
+                   (None, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)))
+DOWN_TMA = ((23, DOWN_TOKENS[0][1]),
+            (95, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)),
+            (None, DOWN_TOKENS[1][1]))
+# On: those GEMMs take GROUPED_UP_TMA for every gate/up and DOWN_TOKENS by the call's token count, as they do
+# where the call gives no slots; off: GROUPED_UP_ROWS / DOWN_TMA. TRUE_ON_POLICY_MOE_TILES=tokens turns it on;
+# benchmarks compare both (tpo_moetok against tpo).
+MOE_TOKEN_TILES = False
+
+
+def moe_tile(role: str, tokens: int, slots: int | None, experts: int) -> dict:
+    """The TMA tile of the MoE's gate/up (``role="plain"``) or flat down projection ("down") where the decode
+    tiles do not apply: by the rows per expert in use (GROUPED_UP_ROWS, DOWN_TMA) where ``slots`` is known,
+    else (or under MOE_TOKEN_TILES) GROUPED_UP_TMA or DOWN_TOKENS by ``tokens``. A speed choice: every tile the
+    same bits."""
+    if not MOE_TOKEN_TILES and slots is not None:
+        return by_rows(DOWN_TMA if role == "down" else GROUPED_UP_ROWS, expert_groups(slots, experts)[1])
+    return by_rows(DOWN_TOKENS, tokens) if role == "down" else GROUPED_UP_TMA
 
 
 def halves_tile(cfg: dict, k: int) -> dict | None:
@@ -453,15 +481,13 @@ def grouped_tiles(role: str, tokens: int, slots: int, experts: int, n: int, k: i
     two-segment one: "tree2", before ``halves_tile``) of
     ``tokens`` tokens routed to ``slots`` (token, expert) pairs over ``experts`` local experts:
     ``decode_tile`` over the experts in use (one program per expert block and column tile, looping
-    over the block's row tiles) where ``grouped_decode`` holds, else GROUPED_UP_TMA, DOWN_TMA or DOWN2_TMA."""
+    over the block's row tiles) where ``grouped_decode`` holds, else ``moe_tile``'s or DOWN2_TMA's."""
     if grouped_decode(tokens, slots, experts):
         used, per = expert_groups(slots, experts)
         return decode_tile(per, n, k, sms, used, looped=True)
-    if role == "down":
-        return by_rows(DOWN_TMA, tokens)
     if role == "tree2":
         return by_rows(DOWN2_TMA, tokens)
-    return GROUPED_UP_TMA
+    return moe_tile(role, tokens, slots, experts)
 
 
 def used_blocks(slots: int, experts: int) -> int:
@@ -569,7 +595,8 @@ def candidate_tiles(role: str) -> list[dict]:
             if c not in out:
                 out.append(c)
         return out
-    fixed = {"gate_up": [GROUPED_UP_TMA], "down": table_tiles(DOWN_TMA)}.get(role) or table_tiles(TMA[role])
+    fixed = ({"gate_up": [GROUPED_UP_TMA, *table_tiles(GROUPED_UP_ROWS)],
+              "down": table_tiles(DOWN_TOKENS) + table_tiles(DOWN_TMA)}.get(role) or table_tiles(TMA[role]))
     grid = (list(DENSE_GRID.values()) if role in DECODE_ROLES
             else list(DECODE_GRID.values()) if role in ("gate_up", "down") else [])
     return grid + [c for c in fixed if c not in grid]
@@ -828,7 +855,8 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     Returns [P, N]; padding rows and unused blocks are left undefined (never read). Row p depends only on x[rows[p]]
     and w[expert]: never on how many rows its expert (or any other) received.
     ``role="down"`` with ``tokens`` (the MoE call's token count): a plain (tree-width-1) down
-    projection takes ``DOWN_TMA``'s tiles for that count (the same bits as every other tile);
+    projection; above the decode path it and the gate/up (``role="plain"``) take ``moe_tile``'s tile for
+    the call (the same bits as every other tile);
     ``role="tree2"`` (segments 2, tree width 2's down projection) the two-segment TMA form where
     ``halves_tile`` gives ``grouped_tiles``' tile one (else the tree forms below: the same bits).
     ``tokens`` and ``slots`` (the (token, expert) pairs the table was built from, ``align``'s T x k):
@@ -875,7 +903,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         cfg = grouped_tiles(role, tokens, slots, w.shape[0], n_out, k, sm_count(x))
         count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
     elif tma:
-        cfg = by_rows(DOWN_TMA, tokens) if role == "down" else GROUPED_UP_TMA
+        cfg = moe_tile(role, tokens, slots, w.shape[0])
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])

@@ -339,8 +339,8 @@ def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
     else:
         h = silu_mul(grouped_matmul(x, w13, rows, block_expert, tokens=t, slots=slots), pos)
     # V = 1 (one segment, no TP of the experts): the plain grouped GEMM, one fp32 K loop; at tree
-    # width 1 (the flat contract) as the down projection's role (its tiles above the decode bound:
-    # matmul.DOWN_TMA); at tree width 2 with both segments here, the two-segment TMA form (role "tree2")
+    # width 1 (the flat contract) as the down projection's role (its tiles above the decode path:
+    # matmul.moe_tile); at tree width 2 with both segments here, the two-segment TMA form (role "tree2")
     v = resolve_width(width)
     role = "down" if v == 1 else "tree2" if v == 2 and segments == 2 else "plain"
     return grouped_matmul(h, w2, own, block_expert, torch.float32, segments, tree=segments > 1,

@@ -25,7 +25,9 @@
    store silu(gate) * up where it runs on the TMA decode path (``kernels.moe.SILU_IN_UP``, the
    same bits); unset or ``separate``, its own launch. ``TRUE_ON_POLICY_SEG_TMA=tma`` fetches the
    segment-tree down projection's weights through tensor descriptors (``kernels.matmul.SEG_TMA``, the
-   same bits); unset or ``pointer``, by pointer loads.
+   same bits); unset or ``pointer``, by pointer loads. ``TRUE_ON_POLICY_MOE_TILES=tokens`` gives the
+   gate/up and flat down projection GEMMs above the decode path their tiles by the token count
+   (``kernels.matmul.MOE_TOKEN_TILES``, the same bits); unset or ``rows``, by the rows per expert.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ QK_NORM_ROPE = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.apply_qk_norm_rope
 QK_NORM_ROPE_MODES = ("separate", "fused")
 MOE_SILU_MODES = ("separate", "up")
 SEG_TMA_MODES = ("pointer", "tma")
+MOE_TILES_MODES = ("rows", "tokens")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -78,6 +81,13 @@ def seg_tma_mode() -> str:
     return env_choice(env.SEG_TMA, "pointer", SEG_TMA_MODES,
                       "unset it or set it to 'pointer' (the segment-tree down projection's weights by pointer loads, "
                       "the default) or 'tma' (by tensor descriptors)")
+
+
+def moe_tiles_mode() -> str:
+    """TRUE_ON_POLICY_MOE_TILES: "rows" (also when unset) or "tokens"; anything else is refused."""
+    return env_choice(env.MOE_TILES, "rows", MOE_TILES_MODES,
+                      "unset it or set it to 'rows' (the MoE GEMMs' tiles by the rows per expert, the default) or "
+                      "'tokens' (by the token count)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:
@@ -150,6 +160,7 @@ def apply(policy) -> PatchRecord:
     from true_on_policy.kernels import matmul
 
     matmul.SEG_TMA = seg_tma_mode() == "tma"
+    matmul.MOE_TOKEN_TILES = moe_tiles_mode() == "tokens"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -162,7 +173,9 @@ def apply(policy) -> PatchRecord:
                            + ("stored by the gate/up GEMM at decode (TRUE_ON_POLICY_MOE_SILU=up)"
                               if moe.SILU_IN_UP else "in its own launch")
                            + ("; the segment-tree down projection's weights by TMA (TRUE_ON_POLICY_SEG_TMA=tma)"
-                              if matmul.SEG_TMA else ""),
+                              if matmul.SEG_TMA else "")
+                           + ("; the grouped GEMMs' tiles above the decode path by the token count "
+                              "(TRUE_ON_POLICY_MOE_TILES=tokens)" if matmul.MOE_TOKEN_TILES else ""),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

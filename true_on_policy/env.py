@@ -87,6 +87,15 @@ MOE_SILU = EnvVar(
     "the patches install. Speed only: the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
+MOE_TILES = EnvVar(
+    "TRUE_ON_POLICY_MOE_TILES",
+    "'rows' or unset gives the MoE's gate/up and flat down projection GEMMs above the decode path their tile by the "
+    "rows an expert in use receives (kernels.matmul.moe_tile: GROUPED_UP_ROWS, DOWN_TMA); 'tokens' gives the "
+    "gate/up one tile (GROUPED_UP_TMA) and the down projection its tile by the token count (DOWN_TOKENS); any other "
+    "value is refused when the patches install. Speed only: every tile the same bits (tests/gpu/test_kernels_gpu.py "
+    "checks them)",
+)
+
 TEST_KERNEL_LIMIT = EnvVar(
     "TRUE_ON_POLICY_TEST_KERNEL_LIMIT",
     "tests only: makes chosen batches raise a KernelLimitError after their forward, e.g. "

@@ -8,7 +8,8 @@
   GEMM keeps >= PROGRAMS_PER_SM x SMs programs busy where a candidate can, with the widest such tile,
   and a dense one (``dense_decode_tile``) >= DENSE_PROGRAMS_PER_SM x SMs, with 64-row tiles where even
   the narrowest give fewer than FEW_PROGRAMS_PER_SM x SMs and 256-wide K chunks where WIDE_GRID holds
-  the tile; elsewhere (and with ``DECODE_TILES`` off) it gives the fixed tiles;
+  the tile; elsewhere (and with ``DECODE_TILES`` off) it gives the fixed tiles (the MoE GEMMs': ``moe_tile``'s,
+  test_moe_tiles.py);
 - ``used_blocks`` bounds the blocks ``moe.align`` fills, so the programs it trims do no work;
 - interpreted (TRITON_INTERPRET=1, 16-wide fp32 rounding steps: ``matmul.interpreted_dot``), every
   such tile computes the bits of the fixed tiles and of the 16-step reference, plain and grouped,
@@ -73,8 +74,10 @@ def test_every_tile_is_a_candidate(decode, monkeypatch):
             for sms in SMS:
                 assert tile(role, n, k, rows, g, sms) in cands, (name, gemm, rows, sms)
     for role, fixed in (("plain", [mm.TMA["plain"]]), ("row", mm.table_tiles(mm.ROW_TMA)),
-                        ("router", [mm.TMA["router"]]), ("gate_up", [mm.GROUPED_UP_TMA]),
-                        ("down", mm.table_tiles(mm.DOWN_TMA)), ("lm_head", [mm.TMA["lm_head"]])):
+                        ("router", [mm.TMA["router"]]),
+                        ("gate_up", [mm.GROUPED_UP_TMA, *mm.table_tiles(mm.GROUPED_UP_ROWS)]),
+                        ("down", mm.table_tiles(mm.DOWN_TMA) + mm.table_tiles(mm.DOWN_TOKENS)),
+                        ("lm_head", [mm.TMA["lm_head"]])):
         assert all(c in mm.candidate_tiles(role) for c in fixed), role
 
 
@@ -188,19 +191,20 @@ def test_decode_tiles_apply_where_each_weight_streams_once(monkeypatch):
 
 
 def test_where_they_do_not_apply_and_switched_off_the_fixed_tiles(monkeypatch):
-    def fixed(role, rows):
-        if role == "gate_up":
-            return mm.GROUPED_UP_TMA
-        return mm.by_rows(mm.DOWN_TMA if role == "down" else mm.TMA[role], rows)
+    def fixed(role, rows, g):
+        if role in ("gate_up", "down"):  # by the rows per expert in use
+            per = mm.expert_groups(rows * g[5], g[4])[1]
+            return mm.by_rows(mm.DOWN_TMA if role == "down" else mm.GROUPED_UP_ROWS, per)
+        return mm.by_rows(mm.TMA[role], rows)
 
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     for name, g, gemm, role, n, k in cases():
         outside = [r for r in ROWS if not applies(role, r, g)]
         assert mm.DECODE_ROWS + 1 in outside and 4096 in outside, (name, gemm, outside)
         for rows in outside:
-            assert tile(role, n, k, rows, g, 132) is fixed(role, rows), (name, gemm, rows)
+            assert tile(role, n, k, rows, g, 132) is fixed(role, rows, g), (name, gemm, rows)
         monkeypatch.setattr(mm, "DECODE_TILES", False)
-        assert all(tile(role, n, k, rows, g, 132) is fixed(role, rows) for rows in ROWS), (name, gemm)
+        assert all(tile(role, n, k, rows, g, 132) is fixed(role, rows, g) for rows in ROWS), (name, gemm)
         monkeypatch.setattr(mm, "DECODE_TILES", True)
     assert mm.tma_tiles("lm_head", 1, 151936, 2048, 132) in mm.DECODE_GRID.values()
     assert mm.tma_tiles("lm_head", mm.DECODE_PLAIN_ROWS + 1, 151936, 2048, 132) is mm.TMA["lm_head"]

@@ -5,8 +5,8 @@ of surrounding blanks, and anything outside its modes (a typo, another case, a n
 patch installs, in one message naming the variable, every mode and the value given. A switch that sets a
 kernel module's flag (``FLAGS``) has it set, by its patch, exactly in the mode that turns it on, and the patch's
 record says so. What each mode runs,
-and that every mode gives the same bits, is in the switch's own tests (test_seg_tma.py, test_moe_silu.py,
-test_qk_norm_rope.py, test_prefill_loop.py, test_attention_tiles.py) and the GPU tier.
+and that every mode gives the same bits, is in the switch's own tests (test_seg_tma.py, test_moe_tiles.py,
+test_moe_silu.py, test_qk_norm_rope.py, test_prefill_loop.py, test_attention_tiles.py) and the GPU tier.
 """
 
 import importlib
@@ -24,6 +24,7 @@ SWITCHES = {
     "TRUE_ON_POLICY_QK_NORM_ROPE": ("qwen3_moe", "qk_norm_rope_mode", "fused", ("fused", "separate")),
     "TRUE_ON_POLICY_MOE_SILU": ("qwen3_moe", "moe_silu_mode", "separate", ("separate", "up")),
     "TRUE_ON_POLICY_SEG_TMA": ("qwen3_moe", "seg_tma_mode", "pointer", ("pointer", "tma")),
+    "TRUE_ON_POLICY_MOE_TILES": ("qwen3_moe", "moe_tiles_mode", "rows", ("rows", "tokens")),
 }
 
 
@@ -32,6 +33,7 @@ SWITCHES = {
 FLAGS = {
     "TRUE_ON_POLICY_MOE_SILU": ("moe", "SILU_IN_UP", "up"),
     "TRUE_ON_POLICY_SEG_TMA": ("matmul", "SEG_TMA", "tma"),
+    "TRUE_ON_POLICY_MOE_TILES": ("matmul", "MOE_TOKEN_TILES", "tokens"),
 }
 
 APPLY = """

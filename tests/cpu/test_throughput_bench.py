@@ -896,3 +896,8 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     assert engines.TPO_ENV["tpo_v1_segtma"] == {"TRUE_ON_POLICY_SEG_TMA": "tma"}  # v1 with the TMA tree down projection
     assert "tpo_v1_segtma" in throughput.VARIANTS
     assert engines.variant_contract("tpo_v1_segtma") == engines.variant_contract("tpo_v1")
+    # the MoE GEMMs' tiles above the decode path by the token count, beside the default (by the rows per expert)
+    assert engines.TPO_ENV["tpo_moetok"] == engines.TPO_ENV["tpo_v1_moetok"] == {"TRUE_ON_POLICY_MOE_TILES": "tokens"}
+    assert {"tpo_moetok", "tpo_v1_moetok"} <= set(throughput.VARIANTS)
+    assert engines.variant_contract("tpo_moetok") == engines.variant_contract("tpo")
+    assert engines.variant_contract("tpo_v1_moetok") == engines.variant_contract("tpo_v1")

@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
-#        prefilltiles | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | moetiles | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile, stockmoe,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, segtma, prefillchoice, prefilltiles, tilechoice, sampler, segsplit, contracts and w2)
+#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -371,6 +371,16 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --batches 64 256 \
       --workload plain --variants stock tpo --prefill 4096 --prefill-requests 16 --mem 0.85 --make-room --resume \
       --out "$E/profile-a3b48-prefill16.json" ;;
+  moetiles)  # issue 37: the MoE GEMMs' tiles above the decode path by the rows per expert (the default;
+    # TRUE_ON_POLICY_MOE_TILES=tokens: by the token count): every tile bitwise the pointer kernel and grouped_matmul's
+    # bits in both modes (three geometries, 1 to 4096 tokens); then the 235B-A22B layer shape's plain and tail cells
+    # (the 11 layers an H100 holds), the tuned stock, tpo and v1 each in both modes, alternated (resumable, like space)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-moe-tiles tests/gpu/test_kernels_gpu.py -k "grouped_decode_tiles or down_tma_tiles or grouped_tma"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry ${GEOMETRY:-a22b_h100} \
+      --workload ${WORKLOADS:-plain tail} --variants ${VARIANTS:-stock_moe tpo tpo_moetok tpo_v1 tpo_v1_moetok} \
+      --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-${GEOMETRY:-a22b_h100}-moetiles.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too

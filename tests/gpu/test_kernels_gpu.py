@@ -19,7 +19,7 @@ from true_on_policy.kernels.logprobs import (
     token_logprobs_reference,
     token_z,
 )
-from true_on_policy.kernels.matmul import DOWN_TMA, matmul, tree_sum
+from true_on_policy.kernels.matmul import DOWN_TMA, DOWN_TOKENS, matmul, table_tiles, tree_sum
 from true_on_policy.kernels.moe import combine, expert_outputs, moe, moe_reference, route, tp_shard
 from true_on_policy.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from true_on_policy.kernels.rope import apply_rope, apply_rope_qk, apply_rope_reference, cos_sin
@@ -669,17 +669,21 @@ def test_grouped_tma_equals_column(tiles, gpu_evidence):
                          "bitwise": True})
 
 
-@pytest.mark.parametrize("tiles", range(len(DOWN_TMA)))
+DOWN_TILES = [c for i, c in enumerate(table_tiles(DOWN_TOKENS) + table_tiles(DOWN_TMA))
+              if c not in (table_tiles(DOWN_TOKENS) + table_tiles(DOWN_TMA))[:i]]
+
+
+@pytest.mark.parametrize("tiles", range(len(DOWN_TILES)))
 def test_down_tma_tiles_equal_column(tiles, gpu_evidence):
-    """Every tile of the flat down projection's table (``matmul.DOWN_TMA``) computes the pointer
-    kernel's fp32 bits at the 30B-A3B down shape (N 2048, K 768) and at an N that is not a
-    multiple of the tile, at every token count (not only those of its own bound), and
-    ``grouped_matmul(role="down")`` picks the table's tile for the count."""
+    """Every tile of the flat down projection's tables (``matmul.DOWN_TOKENS``, by the token count, and
+    ``matmul.DOWN_TMA``, by the rows per expert) computes the pointer kernel's fp32 bits at the 30B-A3B down
+    shape (N 2048, K 768) and at an N that is not a multiple of the tile, at every token count (not only
+    those of its own bound), and so does ``grouped_matmul(role="down")`` with the count alone."""
     import true_on_policy.kernels.grouped_tma as gt
     import true_on_policy.kernels.matmul as mm
     from true_on_policy.kernels.moe import align
 
-    cfg = mm.table_tiles(mm.DOWN_TMA)[tiles]
+    cfg = DOWN_TILES[tiles]
     g = _gen(17)
     for n_out, k in ((2048, 768), (200, 640)):
         w2 = _randn(g, 128, n_out, k, scale=0.03)
@@ -919,7 +923,8 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
     """Every tile the grouped TMA GEMMs can take (gate/up, bf16 out; the flat down projection, fp32
     out) computes the pointer kernel's bits at every token count, one tile per program over the
     whole table and as the decode path runs it (the block loop over ``used_blocks``' blocks);
-    ``grouped_matmul`` with tokens and slots, with and without DECODE_TILES, too."""
+    ``grouped_matmul`` with tokens and slots, with and without DECODE_TILES and with the tiles above the
+    decode path by the rows per expert and by the token count (MOE_TOKEN_TILES), too."""
     import true_on_policy.kernels.grouped_tma as gt
     import true_on_policy.kernels.matmul as mm
     from true_on_policy.kernels.moe import align
@@ -929,7 +934,7 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
     for name, role, n_out, k, dtype in (("gate_up", "plain", 2 * inter, h, torch.bfloat16),
                                         ("down", "down", h, inter, torch.float32)):
         w = _randn(g, e, n_out, k, scale=0.03)
-        for t in DECODE_COUNTS:
+        for t in DECODE_COUNTS + [1024]:  # 1024: rows per expert between the bounds of DOWN_TMA
             ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
             rows, be, _, own = align(ids, 0, e)
             table = rows if name == "gate_up" else own
@@ -945,10 +950,14 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
                                     subtiles=sub)
                     _same(got[real], ref, f"{geometry} {name} tokens={t} tile {cfg} subtiles={sub}")
             for decode in (True, False):
-                monkeypatch.setattr(mm, "DECODE_TILES", decode)
-                api = mm.grouped_matmul(x, w, table, be, dtype, 1, tree=False, role=role, tokens=t, slots=t * top_k)
-                _same(api[real], ref, f"{geometry} grouped_matmul({name}) tokens={t} decode={decode}")
-    gpu_evidence.append({"test": f"grouped_decode_tiles_eq_pointer_{geometry}", "tokens": DECODE_COUNTS,
+                for by_tokens in (False, True):
+                    monkeypatch.setattr(mm, "DECODE_TILES", decode)
+                    monkeypatch.setattr(mm, "MOE_TOKEN_TILES", by_tokens)
+                    api = mm.grouped_matmul(x, w, table, be, dtype, 1, tree=False, role=role, tokens=t,
+                                            slots=t * top_k)
+                    _same(api[real], ref, f"{geometry} grouped_matmul({name}) tokens={t} decode={decode} "
+                          f"by_tokens={by_tokens}")
+    gpu_evidence.append({"test": f"grouped_decode_tiles_eq_pointer_{geometry}", "tokens": DECODE_COUNTS + [1024],
                          "tiles": len(mm.candidate_tiles("gate_up")), "bitwise": True})
 
 
