@@ -1,5 +1,6 @@
-"""The tile tables of the flat contract's GEMMs (``kernels.matmul.ROW_TMA``, ``DOWN_TMA``): the
-row count picks the tile by the table's bounds, a table must end unbounded, and the launchers
+"""The tile tables of the flat contract's GEMMs (``kernels.matmul.ROW_TMA``, ``DOWN_TOKENS`` by the row count;
+the MoE's ``GROUPED_UP_ROWS`` and ``DOWN_TMA`` by the rows per expert: test_moe_tiles.py): the count picks the tile
+by the table's bounds, a table must end unbounded, every grouped tile divides the expert blocks, and the launchers
 refuse a down projection without its token count. That the tiles compute the same bits is a
 GPU property (tests/gpu/test_kernels_gpu.py: every tile == the pointer kernel at 1 to 4096 rows,
 and batch invariance across the bound)."""
@@ -10,13 +11,15 @@ from true_on_policy.kernels.limits import KernelLimitError
 
 
 def test_by_rows_follows_the_bounds():
-    for table in (mm.ROW_TMA, mm.DOWN_TMA):
+    for table in (mm.ROW_TMA, mm.DOWN_TOKENS):
         small, large = mm.table_tiles(table)
         assert table[0][0] == mm.DECODE_ROWS and table[-1][0] is None
         assert all(mm.by_rows(table, n) is small for n in (1, 64, mm.DECODE_ROWS))
         assert all(mm.by_rows(table, n) is large for n in (mm.DECODE_ROWS + 1, 4096, 1 << 20))
         assert small != large
         assert all(mm.ALIGN % cfg["BLOCK_M"] == 0 for cfg in (small, large))
+    for table in (mm.GROUPED_UP_ROWS, mm.DOWN_TMA):
+        assert table[-1][0] is None and all(mm.ALIGN % cfg["BLOCK_M"] == 0 for cfg in mm.table_tiles(table))
     one = mm.TMA["plain"]
     assert mm.by_rows(one, 1) is one is mm.by_rows(one, 4096) and mm.table_tiles(one) == [one]
     assert mm.TMA["row"] is mm.ROW_TMA
