@@ -669,8 +669,8 @@ def test_grouped_tma_equals_column(tiles, gpu_evidence):
                          "bitwise": True})
 
 
-DOWN_TILES = [c for i, c in enumerate(table_tiles(DOWN_TOKENS) + table_tiles(DOWN_TMA))
-              if c not in (table_tiles(DOWN_TOKENS) + table_tiles(DOWN_TMA))[:i]]
+_DOWN = table_tiles(DOWN_TOKENS) + table_tiles(DOWN_TMA)
+DOWN_TILES = [c for i, c in enumerate(_DOWN) if c not in _DOWN[:i]]  # each tile once
 
 
 @pytest.mark.parametrize("tiles", range(len(DOWN_TILES)))
@@ -678,7 +678,7 @@ def test_down_tma_tiles_equal_column(tiles, gpu_evidence):
     """Every tile of the flat down projection's tables (``matmul.DOWN_TOKENS``, by the token count, and
     ``matmul.DOWN_TMA``, by the rows per expert) computes the pointer kernel's fp32 bits at the 30B-A3B down
     shape (N 2048, K 768) and at an N that is not a multiple of the tile, at every token count (not only
-    those of its own bound), and so does ``grouped_matmul(role="down")`` with the count alone."""
+    those of its own bound), and so does ``grouped_matmul(role="down")``, with the count alone and with its slots."""
     import true_on_policy.kernels.grouped_tma as gt
     import true_on_policy.kernels.matmul as mm
     from true_on_policy.kernels.moe import align
@@ -698,8 +698,9 @@ def test_down_tma_tiles_equal_column(tiles, gpu_evidence):
             bexp = be[:, None].expand(-1, per).reshape(-1).contiguous()
             got = gt.launch(h, w2, torch.empty_like(ref), own, bexp, own.shape[0], cfg)
             _same(got[real], ref[real], f"down TMA {cfg} N={n_out} K={k} tokens={t}")
-            api = mm.grouped_matmul(h, w2, own, be, torch.float32, 1, tree=False, role="down", tokens=t)
-            _same(api[real], ref[real], f"grouped_matmul(role=down) tokens={t}")
+            for slots in (None, t * 8):
+                api = mm.grouped_matmul(h, w2, own, be, torch.float32, 1, tree=False, role="down", tokens=t, slots=slots)
+                _same(api[real], ref[real], f"grouped_matmul(role=down) tokens={t} slots={slots}")
     gpu_evidence.append({"test": f"down_tma_tile{tiles}_eq_column", "tiles": cfg, "tokens": [1, 64, 256, 257, 4096],
                          "bitwise": True})
 
