@@ -16,13 +16,14 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
   the token count: the decode tiles) with ``SEG_TMA`` off and on.
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
-  reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: other TMA tiles.
+  reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
+  with the token count and slots: ``moe_tile``'s tile above the decode path), other TMA tiles.
 - down_w2: the same GEMM at tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): reference the pointer
   kernels' 2-segment tree (``grouped_matmul(segments=2, tree=True)``); candidates: the rollout's call
   (``role="tree2"``) and the two-segment TMA form (``grouped_tma.launch(segments=2)``) at DOWN2_TMA's and the
   gate/up TMA tiles (``matmul.halves_tile``).
-- gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: weights by TMA
-  (``grouped_tma``), other pointer tiles.
+- gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: the rollout's call (with the
+  token count and slots), weights by TMA (``grouped_tma``), other pointer tiles.
 - o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
@@ -187,7 +188,10 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], hid, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg)
-        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
+        rollout = ("grouped_matmul (the rollout's call)", {},
+                   lambda: mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 1, tree=False, role="down", tokens=t,
+                                             slots=t * top))
+        return ref, [rollout] + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
     if gemm == "down_w2":  # tree width 2: the two-segment TMA form against the pointer kernels' 2-segment tree
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask, slots = used & (own >= 0), t * top
@@ -214,7 +218,9 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16, device="cuda")
             b = bexp(cfg["BLOCK_M"])
             return lambda: gt.launch(x, w["w13"], out, rows, b, rows.shape[0], cfg)
-        return ref, [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * inter * hid * 2
+        rollout = ("grouped_matmul (the rollout's call)", {},
+                   lambda: mm.grouped_matmul(x, w["w13"], rows, be, tokens=t, slots=t * top))
+        return ref, [rollout] + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * inter * hid * 2
     if gemm == "o_proj":
         x = torch.randn(t, O_IN, device="cuda", generator=g).bfloat16()
 
