@@ -373,12 +373,12 @@ case $GROUP in
       --out "$E/profile-a3b48-prefill16.json" ;;
   moetiles)  # issue 37: the MoE GEMMs' tiles above the decode path by the rows per expert (the default;
     # TRUE_ON_POLICY_MOE_TILES=tokens: by the token count): every tile bitwise the pointer kernel and grouped_matmul's
-    # bits in both modes (three geometries, 1 to 4096 tokens); then the 235B-A22B layer shape's plain and tail cells
-    # (the 11 layers an H100 holds), the tuned stock, tpo and v1 each in both modes, alternated (resumable, like space)
+    # bits in both modes (three geometries, 1 to 4096 tokens); then the 235B-A22B layer shape's plain and qwen cells
+    # (the 11 layers an H100 holds): the tuned stocks, tpo in both modes and v1, alternated (resumable, like space)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-moe-tiles tests/gpu/test_kernels_gpu.py -k "grouped_decode_tiles or down_tma_tiles or grouped_tma"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry ${GEOMETRY:-a22b_h100} \
-      --workload ${WORKLOADS:-plain tail} --variants ${VARIANTS:-stock_moe tpo tpo_moetok tpo_v1 tpo_v1_moetok} \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_moetok tpo_v1} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-${GEOMETRY:-a22b_h100}-moetiles.json" ;;
   moeparity)  # issue 37's parity acceptance after the MoE tiles by the rows per expert: the 235B-A22B layer shape (2
@@ -391,6 +391,8 @@ case $GROUP in
         --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$c-a22b2-moetiles.json"
       run python3 -m true_on_policy.harness.stress --geometry h1536 $C --out "$E/stress-truncation-h1536-$c-moetiles.json"
     done
+    # the 48 layers' 57 GB and moetiles' 53 GB checkpoint overfill a 128 GiB host's tmpfs: room first
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/geometries.py --ensure a3b48 --make-room
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-flat-a3b48-moetiles.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
