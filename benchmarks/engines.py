@@ -27,7 +27,9 @@ has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill
 (``TRUE_ON_POLICY_PREFILL_LOOP=flat``) and ``tpo_pchoose`` the prefill tile timed at start-up (``choose``);
 ``tpo_v1_segtma`` is ``tpo_v1`` with the tree down projection's weights by TMA (``TRUE_ON_POLICY_SEG_TMA=tma``);
 ``tpo_moetok`` and ``tpo_v1_moetok`` are ``tpo`` and ``tpo_v1`` with the MoE GEMMs' tiles above the decode path
-by the token count (``TRUE_ON_POLICY_MOE_TILES=tokens``; the default: by the rows per expert).
+by the token count (``TRUE_ON_POLICY_MOE_TILES=tokens``; the default: by the rows per expert); ``tpo_moecol`` and
+``tpo_v1_moecol`` run those GEMMs' programs (and v1's tree down projection's) in the column order
+(``TRUE_ON_POLICY_MOE_ORDER=columns``; the default: in groups of M blocks).
 ``TPO_ENV`` holds them: the same bits, speed only.
 """
 
@@ -42,7 +44,8 @@ import time
 FLAT = "qwen3_moe_true_on_policy_flat_v1"
 CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1", "tpo_w2": "qwen3_moe_true_on_policy_w2_preview_v1",
-             "tpo_v1_segtma": "qwen3_moe_true_on_policy_v1", "tpo_v1_moetok": "qwen3_moe_true_on_policy_v1"}
+             "tpo_v1_segtma": "qwen3_moe_true_on_policy_v1", "tpo_v1_moetok": "qwen3_moe_true_on_policy_v1",
+             "tpo_v1_moecol": "qwen3_moe_true_on_policy_v1"}
 TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant's environment (speed only)
            "tpo_fixed": {"TRUE_ON_POLICY_DECODE_TILES": "fixed"},
            "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"},
@@ -53,7 +56,9 @@ TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant'
            "tpo_pchoose": {"TRUE_ON_POLICY_PREFILL_LOOP": "choose"},
            "tpo_v1_segtma": {"TRUE_ON_POLICY_SEG_TMA": "tma"},
            "tpo_moetok": {"TRUE_ON_POLICY_MOE_TILES": "tokens"},
-           "tpo_v1_moetok": {"TRUE_ON_POLICY_MOE_TILES": "tokens"}}
+           "tpo_v1_moetok": {"TRUE_ON_POLICY_MOE_TILES": "tokens"},
+           "tpo_moecol": {"TRUE_ON_POLICY_MOE_ORDER": "columns"},
+           "tpo_v1_moecol": {"TRUE_ON_POLICY_MOE_ORDER": "columns"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

@@ -14,16 +14,20 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
   (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop), with the weights by
   pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
-  the token count: the decode tiles) with ``SEG_TMA`` off and on.
+  the token count: the decode tiles) with ``SEG_TMA`` off and on, and ROW_SEG (its tile above the decode path)
+  with its programs in each order (``ORDERS``: groups of 1 to 16 M blocks, ``matmul.program_tile``, or 0, the
+  column order).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
-  with the token count and slots: ``moe_tile``'s tile above the decode path), other TMA tiles.
+  with the token count and slots: ``moe_tile``'s tile above the decode path), that tile in each order of its
+  programs (``ORDERS``), other TMA tiles.
 - down_w2: the same GEMM at tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``): reference the pointer
   kernels' 2-segment tree (``grouped_matmul(segments=2, tree=True)``); candidates: the rollout's call
   (``role="tree2"``) and the two-segment TMA form (``grouped_tma.launch(segments=2)``) at DOWN2_TMA's and the
   gate/up TMA tiles (``matmul.halves_tile``).
 - gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: the rollout's call (with the
-  token count and slots), weights by TMA (``grouped_tma``), other pointer tiles.
+  token count and slots), the rule's tile in each order of its programs (``ORDERS``), weights by TMA
+  (``grouped_tma``), other pointer tiles.
 - o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
   (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
 - qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
@@ -117,6 +121,7 @@ FLAT = [dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, N_GR
 PLANE_TILES = [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)]
+ORDERS = [0, 1, 4, 8, 16]  # M blocks per group of programs (matmul.program_tile); 0: the 2-D grid's column order
 HBLOCKS = [256, 1024]  # combine: columns per program (the default, moe.HBLOCK, is the reference)
 NBLOCKS = [1024, 4096]  # align: slots scanned per step (the default, moe.NBLOCK, is the reference)
 
@@ -128,6 +133,7 @@ def _tag(form, cfg):
         return f"{form} " + ", ".join(f"{k} {v}" for k, v in cfg.items())
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BK") if k in cfg]
     extra = f" g{cfg['N_GROUP']}" if cfg.get("N_GROUP", 1) > 1 else ""
+    extra += f" group {cfg['group']}" if "group" in cfg else ""
     return f"{form} " + "x".join(str(cfg[k]) for k in keys) + f" w{cfg['num_warps']} s{cfg['num_stages']}{extra}"
 
 
@@ -173,8 +179,14 @@ def _cases(gemm, t, g, w, mm, moe):
                 finally:
                     mm.SEG_TMA = old
             return fn
+
+        def ordered(grp):  # ROW_SEG (the tree's tile above the decode path) in groups of grp M blocks
+            out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
+            b = bexp(mm.ROW_SEG["BLOCK_M"])
+            return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, mm.ROW_SEG, group=grp)
         fits = [c for c in SEG if st.fits(inter // 8, c["BK"])]
         cands = [("seg_tree", c, seg(c)) for c in fits] + [("seg_tree_tma", c, seg(c, True)) for c in fits]
+        cands += [("seg_tree order", dict(mm.ROW_SEG, group=grp), ordered(grp)) for grp in ORDERS]
         cands += [("rollout", {"SEG_TMA": False}, rollout(False)), ("rollout", {"SEG_TMA": True}, rollout(True))]
         return ref, cands, mask, touched * hid * inter * 2
     if gemm == "down_flat":  # tree width 1: the down projection as one plain grouped GEMM, fp32 out
@@ -184,14 +196,16 @@ def _cases(gemm, t, g, w, mm, moe):
         def ref():
             return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 1, tree=False)
 
-        def tma(cfg):
+        def tma(cfg, grp=0):
             out = torch.empty(rows.shape[0], hid, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
-            return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg)
+            return lambda: gt.launch(h, w["w2"], out, own, b, rows.shape[0], cfg, group=grp)
         rollout = ("grouped_matmul (the rollout's call)", {},
                    lambda: mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 1, tree=False, role="down", tokens=t,
                                              slots=t * top))
-        return ref, [rollout] + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
+        rule = mm.moe_tile("down", t, t * top, e)  # the rollout's tile in each order of its programs
+        orders = [("grouped_tma order", dict(rule, group=grp), tma(rule, grp)) for grp in ORDERS]
+        return ref, [rollout] + orders + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
     if gemm == "down_w2":  # tree width 2: the two-segment TMA form against the pointer kernels' 2-segment tree
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask, slots = used & (own >= 0), t * top
@@ -214,13 +228,15 @@ def _cases(gemm, t, g, w, mm, moe):
         def ref():
             return mm.grouped_matmul(x, w["w13"], rows, be)
 
-        def tma(cfg):
+        def tma(cfg, grp=0):
             out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16, device="cuda")
             b = bexp(cfg["BLOCK_M"])
-            return lambda: gt.launch(x, w["w13"], out, rows, b, rows.shape[0], cfg)
+            return lambda: gt.launch(x, w["w13"], out, rows, b, rows.shape[0], cfg, group=grp)
         rollout = ("grouped_matmul (the rollout's call)", {},
                    lambda: mm.grouped_matmul(x, w["w13"], rows, be, tokens=t, slots=t * top))
-        return ref, [rollout] + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * inter * hid * 2
+        rule = mm.moe_tile("plain", t, t * top, e)  # the rollout's tile in each order of its programs
+        orders = [("grouped_tma order", dict(rule, group=grp), tma(rule, grp)) for grp in ORDERS]
+        return ref, [rollout] + orders + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * inter * hid * 2
     if gemm == "o_proj":
         x = torch.randn(t, O_IN, device="cuda", generator=g).bfloat16()
 

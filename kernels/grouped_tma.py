@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import INTERPRETED, gather_rows, hopper, interpreted_dot
+from true_on_policy.kernels.matmul import INTERPRETED, gather_rows, hopper, interpreted_dot, program_tile
 from true_on_policy.kernels.moe import silu_times_up
 
 
@@ -94,9 +94,12 @@ def _grouped_tile(A, b_desc, C, A_IDX, tile, n0, pid_n, M, N, K, stride_am, stri
 def _grouped_tma_kernel(A, b_desc, C, A_IDX, BLOCK_EXPERT, M, N, K, stride_am, stride_ak, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                         STEP: tl.constexpr = 16, SUBTILES: tl.constexpr = 1, GLU: tl.constexpr = False,
-                        SEGMENTS: tl.constexpr = 1):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                        SEGMENTS: tl.constexpr = 1, GROUP: tl.constexpr = 0):
+    if GROUP == 0:  # a 2-D grid: every M block of an N tile, then the next
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:  # a 1-D grid in groups of GROUP M blocks (``program_tile``)
+        pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M * SUBTILES), tl.cdiv(N, BLOCK_N), GROUP)
     expert = tl.load(BLOCK_EXPERT + pid_m)
     if expert < 0:
         return
@@ -132,7 +135,7 @@ def glu_stages(cfg: dict) -> int:
 
 
 def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: int | None = None,
-           subtiles: int = 1, glu: bool = False, segments: int = 1):
+           subtiles: int = 1, glu: bool = False, segments: int = 1, group: int = 0):
     """x [T, K]; w [E, N, K] contiguous; rows_idx [P] (token of each table row, -1 padding);
     block_expert [P / (BLOCK_M x subtiles)]; out [P, N]; programs for the first ``rows`` table rows
     (<= P: the blocks past them unused). ``subtiles``: the BLOCK_M-row tiles one program runs in
@@ -142,7 +145,9 @@ def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: in
     pointer kernel's per-chunk rounding). ``glu``: w is the gate/up weight
     [E, 2N', K] and out [P, N'] receives h = ``moe.silu_mul`` of the gate/up rows, one program
     computing a gate tile and its up tile (``glu_stages`` deep). ``segments`` 2 (tree width 2, not with
-    ``glu``): each half of K its own fp32 K loop from zero, the halves added once; BLOCK_K must divide K / 2."""
+    ``glu``): each half of K its own fp32 K loop from zero, the halves added once; BLOCK_K must divide K / 2.
+    ``group`` > 0: the programs in groups of that many M blocks, each group's blocks taking every N tile in turn
+    (``matmul.program_tile``); 0: every M block of an N tile, then the next. The order changes no bit."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, n, k = w.shape
@@ -153,9 +158,12 @@ def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: in
     if rows and n:
         desc = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         grid = (triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]))
+        if group:
+            grid = (grid[0] * grid[1],)
         _grouped_tma_kernel[grid](x, desc, out, rows_idx, block_expert, rows, n, k, x.stride(0), x.stride(1),
                                   out.stride(0), out.stride(1), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                   BLOCK_K=cfg["BLOCK_K"], DOT_F32=INTERPRETED, STEP=dot_step or cfg["BLOCK_K"],
-                                  SUBTILES=subtiles, GLU=glu, SEGMENTS=segments, num_warps=cfg["num_warps"],
+                                  SUBTILES=subtiles, GLU=glu, SEGMENTS=segments, GROUP=group,
+                                  num_warps=cfg["num_warps"],
                                   num_stages=glu_stages(cfg) if glu else cfg["num_stages"])
     return out

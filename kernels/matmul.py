@@ -284,6 +284,13 @@ DOWN_TMA = ((23, DOWN_TOKENS[0][1]),
 # where the call gives no slots; off: GROUPED_UP_ROWS / DOWN_TMA. TRUE_ON_POLICY_MOE_TILES=tokens turns it on;
 # benchmarks compare both (tpo_moetok against tpo).
 MOE_TOKEN_TILES = False
+# The order of those GEMMs' programs (and of v1's grouped tree down projection above the decode path): MOE_GROUP_M
+# M tiles (rows of experts' blocks) take every N tile in turn (``program_tile``), so a group's activation rows
+# stay in L2 across the N tiles and an expert's weight tile serves its row tiles back to back. MOE_COLUMN_ORDER
+# (TRUE_ON_POLICY_MOE_ORDER=columns): every M tile of one N tile, then the next (the activations streamed again
+# for each N tile). Order only: no bit changes; benchmarks compare both (tpo_moecol against tpo).
+MOE_GROUP_M = 8
+MOE_COLUMN_ORDER = False
 
 
 def moe_tile(role: str, tokens: int, slots: int | None, experts: int) -> dict:
@@ -635,20 +642,24 @@ def tma_k_loop(a_desc, b_desc, m0, n0, k0, k1, BLOCK_M: tl.constexpr, BLOCK_N: t
     return acc
 
 
+@triton.jit
+def program_tile(pid, n_m, n_n, GROUP: tl.constexpr):
+    """(M tile, N tile) of program ``pid`` over n_m x n_n tiles, GROUP tiles down M at a time: a group's M
+    tiles take each N tile in turn, M fastest, so both operands' tiles are reused from L2 while the group
+    runs. Order only: which program computes a tile changes none of its bits."""
+    per_group = GROUP * n_n
+    first_m = (pid // per_group) * GROUP
+    size_m = tl.minimum(n_m - first_m, GROUP)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr = False,
                        STEP: tl.constexpr = 16, SEGMENTS: tl.constexpr = 1):
     """SEGMENTS 1: one fp32 K loop. SEGMENTS 2 (tree width 2): each half of K its own fp32 K loop from
     zero, the halves added once (s0 + s1: the 2-segment tree), so a TP-2 rank's half is the plain loop."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * n_n
-    first_m = (pid // per_group) * GROUP
-    size_m = tl.minimum(n_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     if SEGMENTS == 2:
         half = K // 2
         acc = tma_k_loop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, half, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -856,7 +867,8 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     and w[expert]: never on how many rows its expert (or any other) received.
     ``role="down"`` with ``tokens`` (the MoE call's token count): a plain (tree-width-1) down
     projection; above the decode path it and the gate/up (``role="plain"``) take ``moe_tile``'s tile for
-    the call (the same bits as every other tile);
+    the call (the same bits as every other tile), and they and the grouped tree GEMM (``ROW_SEG``) run their
+    programs in groups of MOE_GROUP_M M blocks (``program_tile``; order only; MOE_COLUMN_ORDER: the column order);
     ``role="tree2"`` (segments 2, tree width 2's down projection) the two-segment TMA form where
     ``halves_tile`` gives ``grouped_tiles``' tile one (else the tree forms below: the same bits).
     ``tokens`` and ``slots`` (the (token, expert) pairs the table was built from, ``align``'s T x k):
@@ -889,7 +901,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     out = torch.empty(rows.shape[0], n_out, dtype=out_dtype or x.dtype, device=x.device)
     k = w.shape[-1]
     cfg = _tiles(segments, tree, k)
-    count, subtiles, seg = rows.shape[0], 1, False
+    count, subtiles, seg, group = rows.shape[0], 1, False, 0
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
     decode = grouped_decode(tokens, slots, w.shape[0])
     halves = None
@@ -903,7 +915,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         cfg = grouped_tiles(role, tokens, slots, w.shape[0], n_out, k, sm_count(x))
         count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
     elif tma:
-        cfg = moe_tile(role, tokens, slots, w.shape[0])
+        cfg, group = moe_tile(role, tokens, slots, w.shape[0]), 0 if MOE_COLUMN_ORDER else MOE_GROUP_M
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
@@ -914,14 +926,14 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
             cfg = seg_tiles(tokens, slots, w.shape[0], w.shape[1], k, segments, sm_count(x))
             count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
         else:
-            cfg = ROW_SEG
+            cfg, group = ROW_SEG, 0 if MOE_COLUMN_ORDER else MOE_GROUP_M
     per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)
     if tma:
         return grouped_tma.launch(x, w, out, rows, block_expert, count, cfg, subtiles=subtiles, glu=glu,
-                                  segments=1 if halves is None else 2)
+                                  segments=1 if halves is None else 2, group=group)
     if seg:
         return seg_tree.launch(x, w, out, rows, block_expert, count, segments, cfg, subtiles=subtiles,
-                               tma=SEG_TMA and grouped_tma.usable(x, w))
+                               tma=SEG_TMA and grouped_tma.usable(x, w), group=group)
     return _launch(x, w, out, rows, block_expert, rows.shape[0], segments, cfg)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import gather_rows
+from true_on_policy.kernels.matmul import gather_rows, program_tile
 
 
 @triton.jit
@@ -99,9 +99,12 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
                      stride_cm, stride_cn, HAS_IDX: tl.constexpr, GROUPED: tl.constexpr, SEGMENTS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
                      BKT: tl.constexpr, DOT_F32: tl.constexpr, SUBTILES: tl.constexpr = 1, TMA: tl.constexpr = False,
-                     BT=None):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                     BT=None, GROUP: tl.constexpr = 0):
+    if GROUP == 0:  # a 2-D grid: every M block of an N tile, then the next
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:  # a 1-D grid in groups of GROUP M blocks (``matmul.program_tile``)
+        pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M * SUBTILES), tl.cdiv(N, BLOCK_N), GROUP)
     if GROUPED:
         expert = tl.load(BLOCK_EXPERT + pid_m)
         if expert < 0:
@@ -171,7 +174,7 @@ def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
 
 
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False,
-           subtiles: int = 1, tma: bool = False):
+           subtiles: int = 1, tma: bool = False, group: int = 0):
     """x [*, K] (rows gathered through ``a_idx`` when given), w [N, K] or [E, N, K] (grouped, with
     ``block_expert``), out [rows, N]; cfg: BLOCK_M, BLOCK_N, BK, num_warps, num_stages (any other
     key is refused: the removed candidates' ``FOLD`` and ``INNER`` among them). ``subtiles``
@@ -180,7 +183,9 @@ def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, 
     table (the blocks past it unused). Which program computes a tile changes none of its bits.
     ``tma``: the weight's chunks are fetched through tensor descriptors over its [E * N, K] view (w contiguous,
     rows 16-byte aligned: ``grouped_tma.usable``) instead of pointer loads; the same MMA steps in the same
-    order, so the same bits (GPU tier: ``test_seg_tree_tma_equals_pointer``)."""
+    order, so the same bits (GPU tier: ``test_seg_tree_tma_equals_pointer``). ``group`` > 0: the programs in
+    groups of that many M blocks, each group's blocks taking every N tile in turn (``matmul.program_tile``); 0:
+    every M block of an N tile, then the next. The order changes no bit."""
     if subtiles > 1 and block_expert is None:
         raise KernelLimitError("seg_tree: subtiles need an expert-grouped table")
     extra = set(cfg) - {"BLOCK_M", "BLOCK_N", "BK", "num_warps", "num_stages"}
@@ -190,6 +195,8 @@ def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, 
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
     grid = (triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]))
+    if group:
+        grid = (grid[0] * grid[1],)
     b, bt = w, None
     if tma and rows and n:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -204,6 +211,6 @@ def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, 
             rows, n, seg, x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1),
             out.stride(-2), out.stride(-1), HAS_IDX=a_idx is not None, GROUPED=block_expert is not None,
             SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail,
-            DOT_F32=dot_f32, SUBTILES=subtiles, TMA=tma, BT=bt, num_warps=cfg["num_warps"],
+            DOT_F32=dot_f32, SUBTILES=subtiles, TMA=tma, BT=bt, GROUP=group, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     return out

@@ -54,7 +54,7 @@ def speed_modes() -> dict[str, str]:
     results: no bit depends on them, but a run's speed does."""
     return {"decode_tiles": cuda_graph.decode_tiles_mode(), "qk_norm_rope": qwen3_moe.qk_norm_rope_mode(),
             "moe_silu": qwen3_moe.moe_silu_mode(), "seg_tma": qwen3_moe.seg_tma_mode(),
-            "moe_tiles": qwen3_moe.moe_tiles_mode(),
+            "moe_tiles": qwen3_moe.moe_tiles_mode(), "moe_order": qwen3_moe.moe_order_mode(),
             "prefill_loop": attention_backend.prefill_loop_mode()}
 
 

@@ -28,6 +28,9 @@
    same bits); unset or ``pointer``, by pointer loads. ``TRUE_ON_POLICY_MOE_TILES=tokens`` gives the
    gate/up and flat down projection GEMMs above the decode path their tiles by the token count
    (``kernels.matmul.MOE_TOKEN_TILES``, the same bits); unset or ``rows``, by the rows per expert.
+   ``TRUE_ON_POLICY_MOE_ORDER=columns`` runs those GEMMs' programs (and the tree down projection's) above
+   the decode path in the 2-D grid's column order (``kernels.matmul.MOE_COLUMN_ORDER``, the same bits); unset
+   or ``grouped``, in groups of M blocks.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ QK_NORM_ROPE_MODES = ("separate", "fused")
 MOE_SILU_MODES = ("separate", "up")
 SEG_TMA_MODES = ("pointer", "tma")
 MOE_TILES_MODES = ("rows", "tokens")
+MOE_ORDER_MODES = ("grouped", "columns")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -88,6 +92,13 @@ def moe_tiles_mode() -> str:
     return env_choice(env.MOE_TILES, "rows", MOE_TILES_MODES,
                       "unset it or set it to 'rows' (the MoE GEMMs' tiles by the rows per expert, the default) or "
                       "'tokens' (by the token count)")
+
+
+def moe_order_mode() -> str:
+    """TRUE_ON_POLICY_MOE_ORDER: "grouped" (also when unset) or "columns"; anything else is refused."""
+    return env_choice(env.MOE_ORDER, "grouped", MOE_ORDER_MODES,
+                      "unset it or set it to 'grouped' (the MoE GEMMs' programs in groups of M blocks, the default) "
+                      "or 'columns' (every M block of one N tile, then the next)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:
@@ -161,6 +172,7 @@ def apply(policy) -> PatchRecord:
 
     matmul.SEG_TMA = seg_tma_mode() == "tma"
     matmul.MOE_TOKEN_TILES = moe_tiles_mode() == "tokens"
+    matmul.MOE_COLUMN_ORDER = moe_order_mode() == "columns"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -175,7 +187,9 @@ def apply(policy) -> PatchRecord:
                            + ("; the segment-tree down projection's weights by TMA (TRUE_ON_POLICY_SEG_TMA=tma)"
                               if matmul.SEG_TMA else "")
                            + ("; the grouped GEMMs' tiles above the decode path by the token count "
-                              "(TRUE_ON_POLICY_MOE_TILES=tokens)" if matmul.MOE_TOKEN_TILES else ""),
+                              "(TRUE_ON_POLICY_MOE_TILES=tokens)" if matmul.MOE_TOKEN_TILES else "")
+                           + ("; the MoE GEMMs' programs above the decode path in column order "
+                              "(TRUE_ON_POLICY_MOE_ORDER=columns)" if matmul.MOE_COLUMN_ORDER else ""),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

@@ -96,6 +96,15 @@ MOE_TILES = EnvVar(
     "checks them)",
 )
 
+MOE_ORDER = EnvVar(
+    "TRUE_ON_POLICY_MOE_ORDER",
+    "'grouped' or unset runs the programs of the MoE's grouped GEMMs above the decode path (the gate/up, the flat "
+    "down projection, the tree down projection) in groups of kernels.matmul.MOE_GROUP_M M blocks, each group's "
+    "blocks taking every N tile in turn (kernels.matmul.program_tile); 'columns' runs every M block of one N tile, "
+    "then the next; any other value is refused when the patches install. Speed only: the order changes no bit "
+    "(tests/gpu/test_kernels_gpu.py checks it)",
+)
+
 TEST_KERNEL_LIMIT = EnvVar(
     "TRUE_ON_POLICY_TEST_KERNEL_LIMIT",
     "tests only: makes chosen batches raise a KernelLimitError after their forward, e.g. "

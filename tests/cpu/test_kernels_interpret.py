@@ -218,7 +218,8 @@ def test_rope_reference_vs_float64():
 
 @pytest.mark.parametrize("script", ["matmul_tree.py", "attention_rope.py", "attention_groups.py", "moe_logprobs.py",
                                     "logprobs_vocab.py", "sampling.py", "sampling_cut.py", "moe_align.py",
-                                    "seg_tree_tma.py", "rmsnorm_heads.py", "tree_width.py", "tree_width_2.py"])
+                                    "seg_tree_tma.py", "rmsnorm_heads.py", "tree_width.py", "tree_width_2.py",
+                                    "program_order.py"])
 def test_interpreted_kernels(interpreted, script):
     """Batch/column/TP/EP/prefill-decode invariance of the Triton kernels, bitwise, interpreted."""
     r = interpreted(ROOT / "tests" / "cpu" / "interpreted" / script)

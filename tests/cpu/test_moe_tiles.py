@@ -6,18 +6,22 @@
   TRUE_ON_POLICY_MOE_TILES=tokens (``MOE_TOKEN_TILES``), GROUPED_UP_TMA and DOWN_TOKENS by the token count;
 - ``grouped_matmul`` launches exactly that tile where the decode tiles do not apply (the launch recorded,
   not run);
-- the mode, 'rows' (also unset) or 'tokens', its parsing, its refusal of any other value and the patches
-  setting the flag and saying so: test_speed_switches.py.
+- the programs of those GEMMs and of v1's grouped tree down projection above the decode path run in groups of
+  MOE_GROUP_M M blocks (``program_tile``); on the decode path, and under TRUE_ON_POLICY_MOE_ORDER=columns
+  (``MOE_COLUMN_ORDER``), in the 2-D grid's column order;
+- the modes, 'rows' (also unset) or 'tokens' and 'grouped' (also unset) or 'columns', their parsing, their refusal
+  of any other value and the patches setting the flags and saying so: test_speed_switches.py.
 
 That every tile of the tables computes the same bits: interpreted in test_decode_tiles.py (every tile the rule
 gives at three layer shapes, 1 to 4096 rows), on the GPU in tests/gpu/test_kernels_gpu.py
-(``test_grouped_decode_tiles_equal_pointer``, ``test_down_tma_tiles_equal_column``).
+(``test_grouped_decode_tiles_equal_pointer``, ``test_down_tma_tiles_equal_column``). That the order changes no
+bit: interpreted in interpreted/program_order.py, on the GPU in ``test_program_order_changes_no_bit``.
 """
 
 import pytest
 import torch
 import triton
-from true_on_policy.kernels import grouped_tma
+from true_on_policy.kernels import grouped_tma, seg_tree
 from true_on_policy.kernels import matmul as mm
 
 WIDE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -28,6 +32,7 @@ NARROW = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 @pytest.fixture(autouse=True)
 def _by_rows(monkeypatch):
     monkeypatch.setattr(mm, "MOE_TOKEN_TILES", False)
+    monkeypatch.setattr(mm, "MOE_COLUMN_ORDER", False)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,up,down", [
@@ -92,8 +97,8 @@ def test_grouped_matmul_launches_the_rule_s_tile(tokens, experts, top_k, by_toke
     monkeypatch.setattr(grouped_tma, "usable", lambda x, w: True)
     launched = []
 
-    def launch(x, w, out, rows, block_expert, count, cfg, subtiles=1, glu=False, segments=1):
-        launched.append((cfg, count, subtiles, block_expert.shape[0]))
+    def launch(x, w, out, rows, block_expert, count, cfg, subtiles=1, glu=False, segments=1, group=0):
+        launched.append((cfg, count, subtiles, block_expert.shape[0], group))
         return out
     monkeypatch.setattr(grouped_tma, "launch", launch)
     slots = tokens * top_k
@@ -103,6 +108,33 @@ def test_grouped_matmul_launches_the_rule_s_tile(tokens, experts, top_k, by_toke
     for role, k in (("plain", 64), ("down", 32)):
         x, w = torch.zeros(tokens, k, dtype=torch.bfloat16), torch.zeros(experts, 48, k, dtype=torch.bfloat16)
         mm.grouped_matmul(x, w, rows, be, torch.float32, 1, tree=False, role=role, tokens=tokens, slots=slots)
-        cfg, count, subtiles, n_be = launched.pop()
+        cfg, count, subtiles, n_be, group = launched.pop()
         assert cfg is mm.moe_tile(role, tokens, slots, experts), (role, cfg)
         assert (count, subtiles, n_be) == (rows.shape[0], 1, rows.shape[0] // cfg["BLOCK_M"])
+        assert group == mm.MOE_GROUP_M > 0, group
+
+
+@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("tokens,decode", [(4, True), (64, True), (300, False), (4096, False)])
+def test_programs_run_in_groups_above_the_decode_path(tokens, decode, columns, monkeypatch):
+    """The gate/up, the flat down projection (TMA) and v1's tree down projection (``seg_tree``): in groups of
+    MOE_GROUP_M M blocks above the decode path, in the column order on it or with the order off."""
+    experts, top_k, k = 128, 8, 768
+    monkeypatch.setattr(mm, "MOE_COLUMN_ORDER", columns)
+    monkeypatch.setattr(mm, "sm_count", lambda x: 132)
+    monkeypatch.setattr(mm, "INTERPRETED", False)
+    tma, launched = [True], []
+    monkeypatch.setattr(grouped_tma, "usable", lambda x, w: tma[0])
+    monkeypatch.setattr(grouped_tma, "launch", lambda *a, **kw: launched.append(("tma", kw["group"])) or a[2])
+    monkeypatch.setattr(seg_tree, "launch", lambda *a, **kw: launched.append(("tree", kw["group"])) or a[2])
+    slots = tokens * top_k
+    blocks = triton.cdiv(slots, mm.ALIGN) + experts
+    rows, be = torch.zeros(blocks * mm.ALIGN, dtype=torch.int64), torch.zeros(blocks, dtype=torch.int32)
+    assert mm.grouped_decode(tokens, slots, experts) is decode
+    x, w = torch.zeros(tokens, k, dtype=torch.bfloat16), torch.zeros(experts, 48, k, dtype=torch.bfloat16)
+    for role in ("plain", "down"):
+        mm.grouped_matmul(x, w, rows, be, torch.float32, 1, tree=False, role=role, tokens=tokens, slots=slots)
+    tma[0] = False  # v1's down projection, an 8-segment tree: seg_tree whether or not TMA is usable
+    mm.grouped_matmul(x, w, rows, be, torch.float32, 8, tree=True, role="plain", tokens=tokens, slots=slots)
+    group = 0 if decode or columns else mm.MOE_GROUP_M
+    assert launched == [("tma", group), ("tma", group), ("tree", group)], launched

@@ -25,6 +25,7 @@ SWITCHES = {
     "TRUE_ON_POLICY_MOE_SILU": ("qwen3_moe", "moe_silu_mode", "separate", ("separate", "up")),
     "TRUE_ON_POLICY_SEG_TMA": ("qwen3_moe", "seg_tma_mode", "pointer", ("pointer", "tma")),
     "TRUE_ON_POLICY_MOE_TILES": ("qwen3_moe", "moe_tiles_mode", "rows", ("rows", "tokens")),
+    "TRUE_ON_POLICY_MOE_ORDER": ("qwen3_moe", "moe_order_mode", "grouped", ("grouped", "columns")),
 }
 
 
@@ -34,6 +35,7 @@ FLAGS = {
     "TRUE_ON_POLICY_MOE_SILU": ("moe", "SILU_IN_UP", "up"),
     "TRUE_ON_POLICY_SEG_TMA": ("matmul", "SEG_TMA", "tma"),
     "TRUE_ON_POLICY_MOE_TILES": ("matmul", "MOE_TOKEN_TILES", "tokens"),
+    "TRUE_ON_POLICY_MOE_ORDER": ("matmul", "MOE_COLUMN_ORDER", "columns"),
 }
 
 APPLY = """

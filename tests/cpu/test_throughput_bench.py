@@ -901,3 +901,8 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     assert {"tpo_moetok", "tpo_v1_moetok"} <= set(throughput.VARIANTS)
     assert engines.variant_contract("tpo_moetok") == engines.variant_contract("tpo")
     assert engines.variant_contract("tpo_v1_moetok") == engines.variant_contract("tpo_v1")
+    # the MoE GEMMs' programs in the column order, beside the default (in groups of M blocks)
+    assert engines.TPO_ENV["tpo_moecol"] == engines.TPO_ENV["tpo_v1_moecol"] == {"TRUE_ON_POLICY_MOE_ORDER": "columns"}
+    assert {"tpo_moecol", "tpo_v1_moecol"} <= set(throughput.VARIANTS)
+    assert engines.variant_contract("tpo_moecol") == engines.variant_contract("tpo")
+    assert engines.variant_contract("tpo_v1_moecol") == engines.variant_contract("tpo_v1")

@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
-#        prefilltiles | moetiles | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | moetiles | moeorder | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile, stockmoe,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeparity, tilechoice, sampler, segsplit, contracts and w2)
+#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, moeparity, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -381,20 +381,41 @@ case $GROUP in
       --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_moetok tpo_v1} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-${GEOMETRY:-a22b_h100}-moetiles.json" ;;
-  moeparity)  # issue 37's parity acceptance after the MoE tiles by the rows per expert: the 235B-A22B layer shape (2
-    # layers; a 4096-token prompt chunked at 2048, then 8 radix-cache hits) and the h1536 truncation stress (a geometry
-    # of our own, truncated sampling in the traffic) under the default and under v1, then the 48 layers under the default
+  moeorder)  # issue 37: the MoE GEMMs' programs above the decode path in groups of M blocks (the default;
+    # TRUE_ON_POLICY_MOE_ORDER=columns: the column order): the same bits in every order (three geometries, 512 to
+    # 8192 tokens); the orders' times at the 235B-A22B layer shape (gate/up and flat down, then v1's tree down);
+    # then its plain and qwen cells (11 layers): the tuned stocks, tpo and v1 each in both orders (resumable)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    G=${GEOMETRY:-a22b_h100}
+    run tier gpu-tier-moe-order tests/gpu/test_kernels_gpu.py -k program_order
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --moe-geometry "$G" --gemms gate_up down_flat \
+      --tokens 512 2048 4096 8192 --out "$E/bench-moe-order-$G.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --moe-geometry "$G" --gemms down \
+      --tokens 2048 8192 --out "$E/bench-moe-order-tree-$G.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_moecol tpo_v1 tpo_v1_moecol} \
+      --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-moeorder.json" ;;
+  moeparity)  # issue 37's parity acceptance after a change to the MoE GEMMs (MOE_TAG names the files: moetiles,
+    # the tiles by the rows per expert; moeorder, the programs in groups): the 235B-A22B layer shape (2 layers; a
+    # 4096-token prompt chunked at 2048, then 8 radix-cache hits) and the h1536 truncation stress (a geometry of our
+    # own, truncated sampling in the traffic) under the default and under v1, then the 48 layers under the default
+    # (and, with V1_48=1, under v1)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    T=${MOE_TAG:-moetiles}
     for c in flat v1; do
       C=$([ $c = v1 ] && echo "$V1")
       run $P --mode tpo --trainer patched $C --geometry a22b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
-        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$c-a22b2-moetiles.json"
-      run python3 -m true_on_policy.harness.stress --geometry h1536 $C --out "$E/stress-truncation-h1536-$c-moetiles.json"
+        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$c-a22b2-$T.json"
+      run python3 -m true_on_policy.harness.stress --geometry h1536 $C --out "$E/stress-truncation-h1536-$c-$T.json"
     done
-    # the 48 layers' 57 GB and moetiles' 53 GB checkpoint overfill a 128 GiB host's tmpfs: room first
+    # the 48 layers' 57 GB and a 235B-A22B benchmark checkpoint's 53 GB overfill a 128 GiB host's tmpfs: room first
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/geometries.py --ensure a3b48 --make-room
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-flat-a3b48-moetiles.json" ;;
+    for c in flat $([ "${V1_48:-0}" = 1 ] && echo v1); do
+      C=$([ $c = v1 ] && echo "$V1")
+      run $P --mode tpo --trainer patched $C --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
+        --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-$c-a3b48-$T.json"
+    done ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too

@@ -962,6 +962,57 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
                          "tiles": len(mm.candidate_tiles("gate_up")), "bitwise": True})
 
 
+ORDER_GROUPS = [0, 1, 4, 8, 16]  # M blocks per group of programs (``matmul.program_tile``); 0: the column order
+
+
+@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
+    """The MoE's grouped GEMMs above the decode path give the same bits in every order of their programs: the
+    gate/up (bf16 out) and the flat down projection (fp32 out) by TMA at the rule's tile (``moe_tile``), and
+    v1's 8-segment tree down projection (``seg_tree``, ROW_SEG), each launched in groups of 1, 4, 8 and 16 M
+    blocks and in the column order, at 512 to 8192 tokens; ``grouped_matmul`` with MOE_COLUMN_ORDER off and on
+    gives those bits too."""
+    import true_on_policy.kernels.grouped_tma as gt
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.seg_tree as st
+    from true_on_policy.kernels.moe import align
+
+    h, _, _, _, e, top_k, inter = DECODE_GEOMETRIES[geometry]
+    g = _gen(h + e + top_k + 1)
+    w13, w2 = _randn(g, e, 2 * inter, h, scale=0.03), _randn(g, e, h, inter, scale=0.03)
+    for t in (512, 4096, 8192):
+        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+        rows, be, _, own = align(ids, 0, e)
+        x, hid = _randn(g, t, h), _randn(g, own.shape[0], inter)
+        p, slots = own.shape[0], t * top_k
+        assert not mm.grouped_decode(t, slots, e)
+        for name, role, x_, w, table, dtype in (("gate_up", "plain", x, w13, rows, torch.bfloat16),
+                                                ("down", "down", hid, w2, own, torch.float32)):
+            real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
+            cfg = mm.moe_tile(role, t, slots, e)
+            bexp = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
+            outs = [gt.launch(x_, w, torch.empty(p, w.shape[1], dtype=dtype, device="cuda"), table, bexp, p, cfg,
+                              group=grp)[real] for grp in ORDER_GROUPS]
+            for grp, out in zip(ORDER_GROUPS[1:], outs[1:], strict=True):
+                _same(out, outs[0], f"{geometry} {name} tokens={t} tile {cfg} group={grp}")
+            for columns in (False, True):
+                monkeypatch.setattr(mm, "MOE_COLUMN_ORDER", columns)
+                api = mm.grouped_matmul(x_, w, table, be, dtype, 1, tree=False, role=role, tokens=t, slots=slots)
+                _same(api[real], outs[0], f"{geometry} grouped_matmul({name}) tokens={t} columns={columns}")
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        bexp = be.repeat_interleave(mm.ALIGN // mm.ROW_SEG["BLOCK_M"])
+        outs = [st.launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, p, 8, mm.ROW_SEG,
+                          group=grp)[real] for grp in ORDER_GROUPS]
+        for grp, out in zip(ORDER_GROUPS[1:], outs[1:], strict=True):
+            _same(out, outs[0], f"{geometry} seg_tree tokens={t} group={grp}")
+        for columns in (False, True):
+            monkeypatch.setattr(mm, "MOE_COLUMN_ORDER", columns)
+            api = mm.grouped_matmul(hid, w2, own, be, torch.float32, 8, tree=True, tokens=t, slots=slots)
+            _same(api[real], outs[0], f"{geometry} grouped_matmul(tree) tokens={t} columns={columns}")
+    gpu_evidence.append({"test": f"program_order_no_bit_{geometry}", "tokens": [512, 4096, 8192],
+                         "groups": ORDER_GROUPS, "bitwise": True})
+
+
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
 def test_silu_in_up_equals_separate(geometry, monkeypatch, gpu_evidence):
     """The gate/up GEMM's GLU form (``grouped_matmul(glu=True)``: a gate tile and its up tile in one
