@@ -12,7 +12,8 @@ count of MMA instructions (HMMA: mma.sync, HGMMA: wgmma) and of cp.async copies 
 Registers bound how many fp32 partials a tile keeps live; a spill sends them through local memory.
 ``--tiles wide`` compiles instead prefill tiles beyond the candidates, in 8 and 16 warps (``WIDE``): more warps
 share a tile's partials, but a program of 16 warps has at most 128 registers a thread.
-Speed is measured on the GPU (``regenerate_evidence.sh segtma``), not here.
+Speed is measured on the GPU (``regenerate_evidence.sh segtma``), not here. ``grouped_tma_kernel`` compiles the
+grouped TMA GEMM the same way (tests/cpu/test_compile_facts.py compares its programs' orders).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def facts(kernel) -> dict:
             **{op: ops.get(op, 0) for op in ("HMMA", "HGMMA", "LDGSTS", "FSEL", "FADD")}}
 
 
-def seg_tree_kernel(cfg: dict, seg: int, segments: int, subtiles: int, tma: bool):
+def seg_tree_kernel(cfg: dict, seg: int, segments: int, subtiles: int, tma: bool, group: int = 0):
+    """``group``: the kernel's GROUP (programs in groups of M blocks, ``matmul.program_tile``; 0 the 2-D grid)."""
     from true_on_policy.kernels import seg_tree
 
     nch, tail = seg_tree.chunks_of(seg, cfg["BK"])
@@ -81,7 +83,7 @@ def seg_tree_kernel(cfg: dict, seg: int, segments: int, subtiles: int, tma: bool
              "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32"}
     consts = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_IDX=True, GROUPED=True, SEGMENTS=segments,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], NCH=nch, BKT=tail, DOT_F32=False,
-                  SUBTILES=subtiles, TMA=tma)
+                  SUBTILES=subtiles, TMA=tma, GROUP=group)
     div16 = ["A", "C", "A_IDX", "BLOCK_EXPERT", "N", "SEG", "stride_am", "stride_be", "stride_bn", "stride_cm"]
     if tma:
         types["B"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BK']}]>"
@@ -90,6 +92,20 @@ def seg_tree_kernel(cfg: dict, seg: int, segments: int, subtiles: int, tma: bool
         types["B"], consts["BT"] = "*bf16", None
         div16.append("B")
     return compile_sm90(seg_tree._seg_tree_kernel, types, consts, div16, cfg["num_warps"], cfg["num_stages"])
+
+
+def grouped_tma_kernel(cfg: dict, n: int, k: int, out: str = "bf16", group: int = 0, subtiles: int = 1):
+    """``grouped_tma._grouped_tma_kernel`` (the MoE's gate/up, ``out`` bf16, or flat down projection, fp32) for
+    an [E, n, k] weight, specialised as at launch; ``group`` its GROUP (0: the 2-D grid)."""
+    from true_on_policy.kernels import grouped_tma
+
+    types = {"A": "*bf16", "b_desc": f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>", "C": f"*{out}",
+             "A_IDX": "*i64", "BLOCK_EXPERT": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+             "stride_cm": "i32"}
+    consts = dict(stride_ak=1, stride_cn=1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  DOT_F32=False, STEP=cfg["BLOCK_K"], SUBTILES=subtiles, GLU=False, SEGMENTS=1, GROUP=group)
+    div16 = ["A", "C", "A_IDX", "BLOCK_EXPERT", "N", "K", "stride_am", "stride_cm"]
+    return compile_sm90(grouped_tma._grouped_tma_kernel, types, consts, div16, cfg["num_warps"], cfg["num_stages"])
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,8 @@
   the segment's own chunks, and the fold is the loop's three fp32 additions. Triton may rewrite
   ``d + dot(a, b, 0)`` as ``dot(a, b, d)``, an MMA accumulating into ``d``, which rounds differently; the
   CPU interpreter would never see it, the GPU's bits would.
+- The MoE's grouped GEMMs compile to the same instructions whatever the order of their programs
+  (``matmul.program_tile``, ``MOE_GROUP_M``): a GPU compile of the grouped order, checked without a GPU.
 """
 
 import json
@@ -80,3 +82,21 @@ def test_the_committed_wide_tile_facts_are_what_this_checkout_compiles(compile_f
     got = compile_facts.facts(compile_facts.seg_tree_kernel(row["tile"], row["segment"], row["segments"],
                                                             row["subtiles"], True))
     assert got == row["tma"], (got, row["tma"])
+
+
+def test_the_grouped_gemms_compile_alike_in_every_order(compile_facts):
+    """The MoE's grouped GEMMs above the decode path compile for sm_90a with the same MMA, copy, select and
+    add instructions and the same shared memory, without a spill, whether their programs run in groups of
+    MOE_GROUP_M M blocks (``matmul.program_tile``) or in the 2-D grid's column order: the order changes only
+    which program computes a tile. Every tile of the rule's tables at the 235B-A22B layer (gate/up, bf16
+    out; the flat down projection, fp32 out) and v1's tree down projection (ROW_SEG, both weight fetches)."""
+    from true_on_policy.kernels import matmul as mm
+
+    forms = [(compile_facts.grouped_tma_kernel, (cfg, 3072, 4096, "bf16")) for cfg in mm.table_tiles(mm.GROUPED_UP_ROWS)]
+    forms += [(compile_facts.grouped_tma_kernel, (cfg, 4096, 1536, "fp32")) for cfg in mm.table_tiles(mm.DOWN_TMA)]
+    forms += [(compile_facts.seg_tree_kernel, (mm.ROW_SEG, 192, 8, 1, tma)) for tma in (False, True)]
+    for make, args in forms:
+        columns, grouped = (compile_facts.facts(make(*args, group=g)) for g in (0, mm.MOE_GROUP_M))
+        assert columns["spill_store_bytes"] == grouped["spill_store_bytes"] == 0, (args, columns, grouped)
+        for key in ("HMMA", "HGMMA", "LDGSTS", "FSEL", "FADD", "shared_bytes"):
+            assert columns[key] == grouped[key], (args, key, columns, grouped)
