@@ -16,7 +16,7 @@ used = (be >= 0).repeat_interleave(ALIGN) & (rows >= 0)
 x = torch.randn(T, K, generator=g).bfloat16()
 w = (torch.randn(E, N, K, generator=g) * 0.05).bfloat16()
 tile = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3)
-GROUPS = (1, 2, 3, 8, MOE_GROUP_M)
+GROUPS = sorted({1, 2, 3, 8, MOE_GROUP_M})  # and the rollout's group size, whatever it is
 assert (rows.shape[0] // tile["BLOCK_M"]) % 3 and (rows.shape[0] // tile["BLOCK_M"]) % 8  # a short last group
 
 
