@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import INTERPRETED, gather_rows, hopper, interpreted_dot, program_tile
+from true_on_policy.kernels.matmul import INTERPRETED, gather_rows, grid_tile, hopper, interpreted_dot, order_grid
 from true_on_policy.kernels.moe import silu_times_up
 
 
@@ -95,11 +95,7 @@ def _grouped_tma_kernel(A, b_desc, C, A_IDX, BLOCK_EXPERT, M, N, K, stride_am, s
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                         STEP: tl.constexpr = 16, SUBTILES: tl.constexpr = 1, GLU: tl.constexpr = False,
                         SEGMENTS: tl.constexpr = 1, GROUP: tl.constexpr = 0):
-    if GROUP == 0:  # a 2-D grid: every M block of an N tile, then the next
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-    else:  # a 1-D grid in groups of GROUP M blocks (``program_tile``)
-        pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M * SUBTILES), tl.cdiv(N, BLOCK_N), GROUP)
+    pid_m, pid_n = grid_tile(tl.cdiv(M, BLOCK_M * SUBTILES), tl.cdiv(N, BLOCK_N), GROUP)
     expert = tl.load(BLOCK_EXPERT + pid_m)
     if expert < 0:
         return
@@ -157,9 +153,7 @@ def launch(x, w, out, rows_idx, block_expert, rows: int, cfg: dict, dot_step: in
                                f"{cfg['BLOCK_K']} dividing K / 2 = {k / 2} and no glu")
     if rows and n:
         desc = TensorDescriptor.from_tensor(w.view(-1, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-        grid = (triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]))
-        if group:
-            grid = (grid[0] * grid[1],)
+        grid = order_grid(triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]), group)
         _grouped_tma_kernel[grid](x, desc, out, rows_idx, block_expert, rows, n, k, x.stride(0), x.stride(1),
                                   out.stride(0), out.stride(1), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                   BLOCK_K=cfg["BLOCK_K"], DOT_F32=INTERPRETED, STEP=dot_step or cfg["BLOCK_K"],

@@ -653,6 +653,23 @@ def program_tile(pid, n_m, n_n, GROUP: tl.constexpr):
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
+@triton.jit
+def grid_tile(n_m, n_n, GROUP: tl.constexpr):
+    """(M tile, N tile) of this program in a launch by ``order_grid``: GROUP 0, a 2-D grid (every M tile of an N
+    tile, then the next); else a 1-D grid in groups of GROUP M tiles (``program_tile``)."""
+    if GROUP == 0:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_m, pid_n = program_tile(tl.program_id(0), n_m, n_n, GROUP)
+    return pid_m, pid_n
+
+
+def order_grid(n_m: int, n_n: int, group: int) -> tuple:
+    """The launch grid of n_m x n_n tiles for ``grid_tile``: 2-D for ``group`` 0, else 1-D."""
+    return (n_m * n_n,) if group else (n_m, n_n)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(a_desc, b_desc, C, M, N, K, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr = False,
@@ -902,6 +919,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     k = w.shape[-1]
     cfg = _tiles(segments, tree, k)
     count, subtiles, seg, group = rows.shape[0], 1, False, 0
+    order = 0 if MOE_COLUMN_ORDER else MOE_GROUP_M  # above the decode path
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
     decode = grouped_decode(tokens, slots, w.shape[0])
     halves = None
@@ -915,7 +933,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         cfg = grouped_tiles(role, tokens, slots, w.shape[0], n_out, k, sm_count(x))
         count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
     elif tma:
-        cfg, group = moe_tile(role, tokens, slots, w.shape[0]), 0 if MOE_COLUMN_ORDER else MOE_GROUP_M
+        cfg, group = moe_tile(role, tokens, slots, w.shape[0]), order
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
     elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
@@ -926,7 +944,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
             cfg = seg_tiles(tokens, slots, w.shape[0], w.shape[1], k, segments, sm_count(x))
             count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
         else:
-            cfg, group = ROW_SEG, 0 if MOE_COLUMN_ORDER else MOE_GROUP_M
+            cfg, group = ROW_SEG, order
     per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import gather_rows, program_tile
+from true_on_policy.kernels.matmul import gather_rows, grid_tile, order_grid
 
 
 @triton.jit
@@ -100,11 +100,7 @@ def _seg_tree_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, NCH: tl.constexpr,
                      BKT: tl.constexpr, DOT_F32: tl.constexpr, SUBTILES: tl.constexpr = 1, TMA: tl.constexpr = False,
                      BT=None, GROUP: tl.constexpr = 0):
-    if GROUP == 0:  # a 2-D grid: every M block of an N tile, then the next
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-    else:  # a 1-D grid in groups of GROUP M blocks (``matmul.program_tile``)
-        pid_m, pid_n = program_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M * SUBTILES), tl.cdiv(N, BLOCK_N), GROUP)
+    pid_m, pid_n = grid_tile(tl.cdiv(M, BLOCK_M * SUBTILES), tl.cdiv(N, BLOCK_N), GROUP)
     if GROUPED:
         expert = tl.load(BLOCK_EXPERT + pid_m)
         if expert < 0:
@@ -194,9 +190,7 @@ def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, 
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     nch, tail = chunks_of(seg, cfg["BK"])
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]))
-    if group:
-        grid = (grid[0] * grid[1],)
+    grid = order_grid(triton.cdiv(rows, cfg["BLOCK_M"] * subtiles), triton.cdiv(n, cfg["BLOCK_N"]), group)
     b, bt = w, None
     if tma and rows and n:
         from triton.tools.tensor_descriptor import TensorDescriptor
