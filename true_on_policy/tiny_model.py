@@ -131,12 +131,56 @@ def build(folder: Path, spec: dict) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-    # a real-shape checkpoint is written in 5 GB shards: one file would be serialised whole in host
-    # memory first (57 GB at the full 30B-A3B depth)
-    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="5GB" if large else "200GB")
+    model.to(torch.bfloat16)
+    if large:
+        save_in_shards(model, folder)
+    else:
+        model.save_pretrained(folder)
     if device == "cuda":  # hand the GPU memory back before an engine starts in another process
         del model
         torch.cuda.empty_cache()
+
+
+def save_in_shards(model, folder: Path, shard_bytes: int = 5 * 2**30) -> None:
+    """``model`` written as ``save_pretrained`` writes it (checkpoint names, config, generation config),
+    ``shard_bytes`` of whole layers a shard, each shard's tensors converted to checkpoint form, moved to
+    host memory and written before the next: ``save_pretrained`` converts the whole state dict at once
+    (the fused experts split into a second copy), more than an 80 GB card holds at real-shape sizes, and
+    host memory holds a shard, not the model."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    units: dict[str, list[str]] = {}  # one unit a decoder layer (its tensors are converted together)
+    for k in state:
+        parts = k.split(".")
+        units.setdefault(".".join(parts[:3]) if parts[:2] == ["model", "layers"] else k, []).append(k)
+    shards, size = [[]], 0
+    for keys in units.values():
+        nbytes = sum(state[k].numel() * state[k].element_size() for k in keys)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].extend(keys)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, keys in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        part = {k: v.to("cpu").contiguous() for k, v in revert_weight_conversion(model, {k: state[k] for k in keys}).items()}
+        save_file(part, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        total += sum(v.numel() * v.element_size() for v in part.values())
+        del part
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    model.config.save_pretrained(folder)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
 
 
 def build_into(final: Path, spec: dict) -> str:
