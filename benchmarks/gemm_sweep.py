@@ -16,7 +16,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
   the token count: the decode tiles) with ``SEG_TMA`` off and on, and ROW_SEG (its tile above the decode path)
   with its programs in each order (``ORDERS``: groups of 1 to 16 M blocks, ``matmul.program_tile``, or 0, the
-  column order).
+  column order). Every other MoE candidate tile runs its programs in the rollout's order above the decode path
+  (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
   with the token count and slots: ``moe_tile``'s tile above the decode path), that tile in each order of its
@@ -159,6 +160,7 @@ def _cases(gemm, t, g, w, mm, moe):
             per = mm.ALIGN // bm
             return be[:, None].expand(-1, per).reshape(-1).contiguous() if per > 1 else be
         touched = int(torch.unique(ids).numel())
+        order = 0 if mm.MOE_COLUMN_ORDER else mm.MOE_GROUP_M  # the rollout's order above the decode path
     if gemm == "down":
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask, n = used & (own >= 0), hid
@@ -166,10 +168,10 @@ def _cases(gemm, t, g, w, mm, moe):
         def ref():
             return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True)
 
-        def seg(cfg, tma=False):
+        def seg(cfg, tma=False):  # in the rollout's order of programs
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(cfg["BLOCK_M"])
-            return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, tma=tma)
+            return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, tma=tma, group=order)
 
         def rollout(tma):  # the MoE's call (decode tiles where grouped_decode holds), SEG_TMA off and on
             def fn():
@@ -185,7 +187,8 @@ def _cases(gemm, t, g, w, mm, moe):
             b = bexp(mm.ROW_SEG["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, mm.ROW_SEG, group=grp)
         fits = [c for c in SEG if st.fits(inter // 8, c["BK"])]
-        cands = [("seg_tree", c, seg(c)) for c in fits] + [("seg_tree_tma", c, seg(c, True)) for c in fits]
+        cands = [("seg_tree", dict(c, group=order), seg(c)) for c in fits]
+        cands += [("seg_tree_tma", dict(c, group=order), seg(c, True)) for c in fits]
         cands += [("seg_tree order", dict(mm.ROW_SEG, group=grp), ordered(grp)) for grp in ORDERS]
         cands += [("rollout", {"SEG_TMA": False}, rollout(False)), ("rollout", {"SEG_TMA": True}, rollout(True))]
         return ref, cands, mask, touched * hid * inter * 2
@@ -205,7 +208,8 @@ def _cases(gemm, t, g, w, mm, moe):
                                              slots=t * top))
         rule = mm.moe_tile("down", t, t * top, e)  # the rollout's tile in each order of its programs
         orders = [("grouped_tma order", dict(rule, group=grp), tma(rule, grp)) for grp in ORDERS]
-        return ref, [rollout] + orders + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * hid * inter * 2
+        others = [("grouped_tma", dict(c, group=order), tma(c, order)) for c in UP_TMA]
+        return ref, [rollout] + orders + others, mask, touched * hid * inter * 2
     if gemm == "down_w2":  # tree width 2: the two-segment TMA form against the pointer kernels' 2-segment tree
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask, slots = used & (own >= 0), t * top
@@ -236,7 +240,8 @@ def _cases(gemm, t, g, w, mm, moe):
                    lambda: mm.grouped_matmul(x, w["w13"], rows, be, tokens=t, slots=t * top))
         rule = mm.moe_tile("plain", t, t * top, e)  # the rollout's tile in each order of its programs
         orders = [("grouped_tma order", dict(rule, group=grp), tma(rule, grp)) for grp in ORDERS]
-        return ref, [rollout] + orders + [("grouped_tma", c, tma(c)) for c in UP_TMA], mask, touched * 2 * inter * hid * 2
+        others = [("grouped_tma", dict(c, group=order), tma(c, order)) for c in UP_TMA]
+        return ref, [rollout] + orders + others, mask, touched * 2 * inter * hid * 2
     if gemm == "o_proj":
         x = torch.randn(t, O_IN, device="cuda", generator=g).bfloat16()
 
