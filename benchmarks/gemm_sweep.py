@@ -29,8 +29,9 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - gate_up: x [T, 2048] @ w13 [128, 1536, 2048]; reference GROUPED_UP; candidates: the rollout's call (with the
   token count and slots), the rule's tile in each order of its programs (``ORDERS``), weights by TMA
   (``grouped_tma``), other pointer tiles.
-- o_proj: [T, 4096] @ [2048, 4096], 8-segment tree, bf16 out; reference ``row_linear``
-  (``split_matmul`` planes + ``_tree_kernel``); candidates: ``seg_tree``.
+- o_proj: [T, 4096] @ [2048, 4096] (or ``--dense-geometry``'s), 8-segment tree, bf16 out; reference ``row_linear``
+  (``split_matmul`` planes + ``_tree_kernel``, the rollout's call); candidates: ``seg_tree``, ``ROW_FLAT``, the planes
+  of 1, 2 or 4 segments a program.
 - qkv [T, 2048] @ [5120, 2048], router [T, 2048] @ [128, 2048] and o_proj_flat [T, 4096] @
   [2048, 4096] (o_proj at tree width 1: one plain GEMM): reference ``matmul`` with the role the
   rollout passes ("plain", "router", "row"); candidates: other TMA tiles, the decode grid's 16-row
@@ -243,22 +244,23 @@ def _cases(gemm, t, g, w, mm, moe):
         others = [("grouped_tma", dict(c, group=order), tma(c, order)) for c in UP_TMA]
         return ref, [rollout] + orders + others, mask, touched * 2 * inter * hid * 2
     if gemm == "o_proj":
-        x = torch.randn(t, O_IN, device="cuda", generator=g).bfloat16()
+        n, k = w["o"].shape
+        x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
 
         def ref():
             return row_linear(x, w["o"])
 
         def seg(cfg):
-            out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
             return lambda: st.launch(x, w["o"], out, None, None, t, 8, cfg)
 
         def flat(cfg):  # the tree in one pipelined K loop (matmul's ROW_FLAT form), rounded as it stores
-            out = torch.empty(t, H, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
             return lambda: mm._launch(x, w["o"], out, None, None, t, 8, cfg)
-        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(O_IN // 8, c["BK"])]
+        cands = [("seg_tree", c, seg(c)) for c in SEG if st.fits(k // 8, c["BK"])]
         planes = [("planes", dict(c, per_plane=pp), lambda pp=pp, c=c: mm.split_matmul(x, w["o"], 8, per_plane=pp, cfg=c))
                   for pp in (1, 2, 4) for c in PLANE_TILES]
-        return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, H * O_IN * 2
+        return ref, cands + [("row_flat", c, flat(c)) for c in FLAT] + planes, None, n * k * 2
     if gemm == "o_proj_w2":  # tree width 2: the two-segment TMA form against split_matmul's 2-segment planes
         k = w["o"].shape[1]
         x = torch.randn(t, k, device="cuda", generator=g).bfloat16()

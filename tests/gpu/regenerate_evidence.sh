@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
-#        prefilltiles | moetiles | moeorder | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | moetiles | moeorder | v1gap | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile, stockmoe,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, moeparity, tilechoice, sampler, segsplit, contracts and w2)
+#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, v1gap, moeparity, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -396,6 +396,21 @@ case $GROUP in
       --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_moecol tpo_v1 tpo_v1_moecol} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-moeorder.json" ;;
+  v1gap)  # issue 37: what bounds v1 with the MoE GEMMs' programs in groups: v1's tree down projection at every
+    # tile in the rollout's order (the 235B-A22B and 30B-A3B shapes), o_proj's tree forms at the 235B-A22B shape,
+    # then that shape's plain and qwen cells against both tuned stocks, the default and v1 (resumable)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    G=${GEOMETRY:-a22b_h100}
+    for m in "$G" a3b48; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --moe-geometry "$m" --gemms down \
+        --tokens 512 2048 4096 8192 --out "$E/bench-tree-down-$m.json"
+    done
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --dense-geometry "$G" --gemms o_proj \
+      --tokens 2048 4096 --out "$E/bench-tree-oproj-$G.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_v1} \
+      --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1gap.json" ;;
   moeparity)  # issue 37's parity acceptance after a change to the MoE GEMMs (MOE_TAG names the files: moetiles,
     # the tiles by the rows per expert; moeorder, the programs in groups): the 235B-A22B layer shape (2 layers; a
     # 4096-token prompt chunked at 2048, then 8 radix-cache hits) and the h1536 truncation stress (a geometry of our
