@@ -1,7 +1,7 @@
 """Small random-init Qwen3-MoE checkpoints (and a byte-level tokenizer) built locally.
 
 Nothing is downloaded: transformers' ``Qwen3MoeForCausalLM`` is initialised from a seed and
-saved with ``save_pretrained``. Builds are cached under ``$TRUE_ON_POLICY_CACHE`` (default
+saved as ``save_pretrained`` saves it (a real-shape one a shard at a time, ``save_in_shards``). Builds are cached under ``$TRUE_ON_POLICY_CACHE`` (default
 ``~/.cache/true_on_policy``) in a folder named after a hash of the geometry, written to a
 temporary folder first and renamed, so concurrent builders never see half a checkpoint.
 """
@@ -145,8 +145,8 @@ def save_in_shards(model, folder: Path, shard_bytes: int = 5 * 2**30) -> None:
     """``model`` written as ``save_pretrained`` writes it (checkpoint names, config, generation config),
     ``shard_bytes`` of whole layers a shard, each shard's tensors converted to checkpoint form, moved to
     host memory and written before the next: ``save_pretrained`` converts the whole state dict at once
-    (the fused experts split into a second copy), more than an 80 GB card holds at real-shape sizes, and
-    host memory holds a shard, not the model."""
+    (the fused experts split into a second copy), more than an 80 GB card holds at real-shape sizes; here
+    one shard's converted copy exists at a time."""
     import torch
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
