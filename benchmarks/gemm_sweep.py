@@ -82,6 +82,7 @@ SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=64, BK=32, num_warps=4, num_stages=4),
        dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
+       dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),  # ROW_SEG_WIDE where 3 stages overfill
        dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=16, num_stages=2),  # 16 warps: at most 128 registers a thread

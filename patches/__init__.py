@@ -55,6 +55,7 @@ def speed_modes() -> dict[str, str]:
     return {"decode_tiles": cuda_graph.decode_tiles_mode(), "qk_norm_rope": qwen3_moe.qk_norm_rope_mode(),
             "moe_silu": qwen3_moe.moe_silu_mode(), "seg_tma": qwen3_moe.seg_tma_mode(),
             "moe_tiles": qwen3_moe.moe_tiles_mode(), "moe_order": qwen3_moe.moe_order_mode(),
+            "tree_tile": qwen3_moe.tree_tile_mode(),
             "prefill_loop": attention_backend.prefill_loop_mode()}
 
 

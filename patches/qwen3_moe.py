@@ -30,7 +30,8 @@
    (``kernels.matmul.MOE_TOKEN_TILES``, the same bits); unset or ``rows``, by the rows per expert.
    ``TRUE_ON_POLICY_MOE_ORDER=columns`` runs those GEMMs' programs (and the tree down projection's) above
    the decode path in the 2-D grid's column order (``kernels.matmul.MOE_COLUMN_ORDER``, the same bits); unset
-   or ``grouped``, in groups of M blocks.
+   or ``grouped``, in groups of M blocks. ``TRUE_ON_POLICY_TREE_TILE=wide`` gives the tree down projection above
+   the decode path its 64-row tile (``kernels.matmul.TREE_WIDE``, the same bits); unset or ``fixed``, ROW_SEG.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ MOE_SILU_MODES = ("separate", "up")
 SEG_TMA_MODES = ("pointer", "tma")
 MOE_TILES_MODES = ("rows", "tokens")
 MOE_ORDER_MODES = ("grouped", "columns")
+TREE_TILE_MODES = ("fixed", "wide")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -99,6 +101,13 @@ def moe_order_mode() -> str:
     return env_choice(env.MOE_ORDER, "grouped", MOE_ORDER_MODES,
                       "unset it or set it to 'grouped' (the MoE GEMMs' programs in groups of M blocks, the default) "
                       "or 'columns' (every M block of one N tile, then the next)")
+
+
+def tree_tile_mode() -> str:
+    """TRUE_ON_POLICY_TREE_TILE: "fixed" (also when unset) or "wide"; anything else is refused."""
+    return env_choice(env.TREE_TILE, "fixed", TREE_TILE_MODES,
+                      "unset it or set it to 'fixed' (the tree down projection's fixed tile above the decode path, the "
+                      "default) or 'wide' (its 64-row tile)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:
@@ -173,6 +182,7 @@ def apply(policy) -> PatchRecord:
     matmul.SEG_TMA = seg_tma_mode() == "tma"
     matmul.MOE_TOKEN_TILES = moe_tiles_mode() == "tokens"
     matmul.MOE_COLUMN_ORDER = moe_order_mode() == "columns"
+    matmul.TREE_WIDE = tree_tile_mode() == "wide"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -189,7 +199,9 @@ def apply(policy) -> PatchRecord:
                            + ("; the grouped GEMMs' tiles above the decode path by the token count "
                               "(TRUE_ON_POLICY_MOE_TILES=tokens)" if matmul.MOE_TOKEN_TILES else "")
                            + ("; the MoE GEMMs' programs above the decode path in column order "
-                              "(TRUE_ON_POLICY_MOE_ORDER=columns)" if matmul.MOE_COLUMN_ORDER else ""),
+                              "(TRUE_ON_POLICY_MOE_ORDER=columns)" if matmul.MOE_COLUMN_ORDER else "")
+                           + ("; the tree down projection's 64-row tile above the decode path "
+                              "(TRUE_ON_POLICY_TREE_TILE=wide)" if matmul.TREE_WIDE else ""),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

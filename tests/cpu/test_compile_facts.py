@@ -10,6 +10,8 @@
   CPU interpreter would never see it, the GPU's bits would.
 - The MoE's grouped GEMMs compile to the same instructions whatever the order of their programs
   (``matmul.program_tile``, ``MOE_GROUP_M``): a GPU compile of the grouped order, checked without a GPU.
+- The tree down projection's wide tile (``TRUE_ON_POLICY_TREE_TILE=wide``, ``matmul.seg_prefill_tile``) compiles to
+  warp-group MMAs without a spill, within shared memory, the tree's arithmetic as written.
 """
 
 import json
@@ -53,22 +55,54 @@ def test_the_compiled_tree_starts_each_segment_from_zero_and_folds_by_three_addi
     from true_on_policy.kernels import seg_tree
 
     cfg = dict(mm.ROW_SEG, BLOCK_M=tile[0], BLOCK_N=tile[1])
-    nch, tail = seg_tree.chunks_of(seg, cfg["BK"])
-    kernel = compile_facts.seg_tree_kernel(cfg, seg, 8, sub, tma)
+    _tree_as_written(compile_facts.seg_tree_kernel(cfg, seg, 8, sub, tma), *seg_tree.chunks_of(seg, cfg["BK"]))
+
+
+def _source(value, links):
+    """The SSA value ``value`` names once its waits and layout conversions (``links``: result -> operand) are
+    followed back."""
+    value = value.split("#")[0]
+    while value in links:
+        value = links[value]
+    return value
+
+
+def _tree_as_written(kernel, nch, tail):
     for ir in ("ttir", "ttgir"):
         text = kernel.asm[ir]
         zero = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.000000e\+00> : tensor<\d+x\d+xf32", text))
+        # a warp-group MMA's result passes through its wait, and (where a tail chunk's MMA takes another layout)
+        # a layout conversion, which moves values between registers without arithmetic
         waited = dict(re.findall(r"(%[\w.]+):\d+ = ttng\.warp_group_dot_wait (%[\w.]+)", text))
+        waited.update((r, v.split("#")[0]) for r, v in re.findall(r"(%[\w.]+) = ttg\.convert_layout (%[\w.#]+)", text))
         dots = re.findall(r"(%[\w.]+) = (?:tt\.dot|ttng\.warp_group_dot) %[\w.#]+, %[\w.#]+, (%[\w.#]+)", text)
         assert len(dots) == nch + bool(tail), (ir, dots)
         prev = None  # the segment's previous MMA; its first accumulates into the zero tile
         for res, acc in dots:
-            acc = waited.get(acc.split("#")[0], acc.split("#")[0])
-            assert acc in zero if prev is None else acc == prev, (ir, "an MMA accumulates into", acc)
+            assert _source(acc, waited) in zero if prev is None else _source(acc, waited) == prev, (ir, "an MMA accumulates into", acc)
             prev = res
         adds = re.findall(r"= arith\.addf (%[\w.#]+), (%[\w.#]+) : tensor<\d+x\d+xf32", text)
         assert len(adds) == 3, (ir, adds)
-        assert waited.get(adds[0][1].split("#")[0], adds[0][1].split("#")[0]) == prev, (ir, "the fold's first addition", adds)
+        assert _source(adds[0][1], waited) == prev, (ir, "the fold's first addition", adds)
+
+
+@pytest.mark.parametrize("seg", [96, 192, 64])  # 30B-A3B's, 235B-A22B's and h1536e256k6's segments of 8
+@pytest.mark.parametrize("tma", [False, True])
+def test_the_wide_tree_tile_compiles_to_warp_group_mmas_within_shared_memory(compile_facts, seg, tma, monkeypatch):
+    """The tree down projection's tile under TRUE_ON_POLICY_TREE_TILE=wide (``matmul.seg_prefill_tile``) compiles
+    for sm_90a to warp-group MMAs (ROW_SEG's 32 rows to mma.sync), without a spill, in the H100's 227 KB of shared
+    memory a block, in the rollout's order of programs, with the tree's arithmetic as written."""
+    from true_on_policy.kernels import matmul as mm
+    from true_on_policy.kernels import seg_tree
+
+    monkeypatch.setattr(mm, "TREE_WIDE", True)
+    cfg = mm.seg_prefill_tile(seg)
+    assert cfg["BLOCK_M"] == mm.ROW_SEG_WIDE["BLOCK_M"] and cfg["num_stages"] in (2, 3), cfg
+    kernel = compile_facts.seg_tree_kernel(cfg, seg, 8, 1, tma, group=mm.MOE_GROUP_M)
+    got = compile_facts.facts(kernel)
+    assert got["HGMMA"] > 0 and got["HMMA"] == 0, got
+    assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= 227 * 1024, got
+    _tree_as_written(kernel, *seg_tree.chunks_of(seg, cfg["BK"]))
 
 
 def test_the_committed_wide_tile_facts_are_what_this_checkout_compiles(compile_facts):

@@ -218,17 +218,21 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
                             tma=True)  # the weights by tensor descriptor (TRUE_ON_POLICY_SEG_TMA=tma)
             assert torch.equal(got[used], ref[used]), ("seg_tree tma", cfg, sub, t, k, e)
     # grouped_matmul's dispatch to seg_tree (taken as on a GPU, the interpreter's fp64 stand-in kept)
-    launch, mm.INTERPRETED, usable, tma = st.launch, False, gt.usable, []
-    st.launch = lambda *a, **kw: tma.append(kw["tma"]) or launch(*a, **dict(kw, dot_f32=True))
+    launch, mm.INTERPRETED, usable, tma, cfgs = st.launch, False, gt.usable, [], []
+    st.launch = lambda *a, **kw: tma.append(kw["tma"]) or cfgs.append(a[7]) or launch(*a, **dict(kw, dot_f32=True))
     gt.usable = lambda x, w: True  # a Hopper GPU's answer
     for decode in (True, False):
         mm.DECODE_TILES = decode
         for seg_tma in (False, True):
-            mm.SEG_TMA = seg_tma
-            got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
-            assert torch.equal(got[used], ref[used]), ("grouped_matmul", decode, seg_tma, t)
-            assert tma.pop() is seg_tma, ("the weights by TMA exactly when SEG_TMA is on", decode, seg_tma)
-    st.launch, mm.INTERPRETED, mm.DECODE_TILES, mm.SEG_TMA, gt.usable = launch, True, False, False, usable
+            for wide in (False, True):
+                mm.SEG_TMA, mm.TREE_WIDE = seg_tma, wide
+                got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
+                assert torch.equal(got[used], ref[used]), ("grouped_matmul", decode, seg_tma, wide, t)
+                assert tma.pop() is seg_tma, ("the weights by TMA exactly when SEG_TMA is on", decode, seg_tma)
+                if not mm.grouped_decode(t, t * k, e):  # above the decode path: the wide tile exactly under TREE_WIDE
+                    want = mm.ROW_SEG_WIDE if wide else mm.ROW_SEG
+                    assert cfgs.pop() == want, ("the wide tile exactly when TREE_WIDE is on", decode, wide, t)
+    st.launch, mm.INTERPRETED, mm.DECODE_TILES, mm.SEG_TMA, mm.TREE_WIDE, gt.usable = launch, True, False, False, False, usable
 print("interpreted-ok")
 """
 
@@ -243,6 +247,12 @@ def test_tree_decode_tiles_compute_the_same_bits_interpreted(tmp_path, monkeypat
                 for (_, _, role), cfg, _, _ in tiles(rows, sms):
                     if cfg not in picked[role]:
                         picked[role].append(cfg)
+    for wide in (False, True):  # the tree down projection's tile above the decode path (TREE_WIDE: ROW_SEG_WIDE)
+        monkeypatch.setattr(mm, "TREE_WIDE", wide)
+        for _, _, s, _, (_, _, kd) in cases():
+            cfg = mm.seg_prefill_tile(kd // s)
+            if cfg not in picked["seg_tree"]:
+                picked["seg_tree"].append(cfg)
     (tmp_path / "tiles.json").write_text(json.dumps(picked))
     (tmp_path / "script.py").write_text(INTERPRETED)
     r = run_py(f"import runpy, sys; sys.argv = ['x', {str(tmp_path / 'tiles.json')!r}]; "

@@ -398,7 +398,8 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-moeorder.json" ;;
   v1gap)  # issue 37: what bounds v1 with the MoE GEMMs' programs in groups: v1's tree down projection at every
     # tile in the rollout's order (the 235B-A22B and 30B-A3B shapes), o_proj's tree forms at the 235B-A22B shape,
-    # then that shape's plain and qwen cells against both tuned stocks, the default and v1 (resumable)
+    # then that shape's plain and qwen cells against both tuned stocks, the default, v1 and v1 with the tree's wide
+    # tile (TRUE_ON_POLICY_TREE_TILE=wide; resumable)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     G=${GEOMETRY:-a22b_h100}
     for m in "$G" a3b48; do
@@ -408,7 +409,7 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --dense-geometry "$G" --gemms o_proj \
       --tokens 2048 4096 --out "$E/bench-tree-oproj-$G.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
-      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_v1} \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_v1 tpo_v1_treewide} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1gap.json" ;;
   moeparity)  # issue 37's parity acceptance after a change to the MoE GEMMs (MOE_TAG names the files: moetiles,

@@ -594,7 +594,8 @@ SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection
              "decode16": dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "k32": dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
              "wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
-             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)}
+             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
+             "wide": None, "wide2": None}  # matmul.ROW_SEG_WIDE (TRUE_ON_POLICY_TREE_TILE=wide), 3 and 2 stages
 
 
 @pytest.mark.parametrize("tiles", sorted(SEG_TILES))
@@ -608,7 +609,7 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.moe import align
 
-    cfg = SEG_TILES[tiles] or mm.ROW_SEG
+    cfg = SEG_TILES[tiles] or {"wide": mm.ROW_SEG_WIDE, "wide2": dict(mm.ROW_SEG_WIDE, num_stages=2)}.get(tiles, mm.ROW_SEG)
     if not st.fits(k // segments, cfg["BK"]):
         pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
     if not st.smem_ok(k // segments, cfg):
