@@ -25,7 +25,7 @@ from true_on_policy.patches.attention_backend import prefill_loop_mode
 
 from true_on_policy import env, patching
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, env_choice, wrap
+from true_on_policy.patching import PatchError, switch_reader, wrap
 
 CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture"
 PREFILL_CAPTURE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture"
@@ -79,11 +79,9 @@ def _make_capture(original, target=CAPTURE):
 DECODE_TILE_MODES = ("choose", "fixed")
 
 
-def decode_tiles_mode() -> str:
-    """TRUE_ON_POLICY_DECODE_TILES: "choose" (also when unset) or "fixed"; anything else is refused."""
-    return env_choice(env.DECODE_TILES, "choose", DECODE_TILE_MODES,
-                      "unset it (the decode attention's tiles timed at start-up) or set it to 'fixed' (the fixed "
-                      "tile, no timing at start-up)")
+decode_tiles_mode = switch_reader(env.DECODE_TILES, "choose", DECODE_TILE_MODES,
+                                  "unset it (the decode attention's tiles timed at start-up) or set it to 'fixed' "
+                                  "(the fixed tile, no timing at start-up)")
 
 
 def timed_batches(capture_bs) -> list[int]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from true_on_policy import env
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, after, env_choice, replacing, wrap
+from true_on_policy.patching import PatchError, after, replacing, switch_reader, wrap
 
 ATTENTION_INIT = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention.__init__"
 MOE_FORWARD = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward_normal"
@@ -68,46 +68,31 @@ def _attention_built(_result, self, *args, **kwargs) -> None:
     check_built(self.rotary_emb, getattr(self, "config", None))  # class and parameters (YaRN) as the trainer's
 
 
-def qk_norm_rope_mode() -> str:
-    """TRUE_ON_POLICY_QK_NORM_ROPE: "fused" (also when unset) or "separate"; anything else is refused."""
-    return env_choice(env.QK_NORM_ROPE, "fused", QK_NORM_ROPE_MODES,
-                      "unset it or set it to 'fused' (the QK-norm in the RoPE launch, the default) or 'separate' (the "
-                      "QK-norm in launches of its own)")
-
-
-def moe_silu_mode() -> str:
-    """TRUE_ON_POLICY_MOE_SILU: "separate" (also when unset) or "up"; anything else is refused."""
-    return env_choice(env.MOE_SILU, "separate", MOE_SILU_MODES,
-                      "unset it or set it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'up' "
-                      "(silu(gate) * up stored by the gate/up GEMM at decode)")
-
-
-def seg_tma_mode() -> str:
-    """TRUE_ON_POLICY_SEG_TMA: "pointer" (also when unset) or "tma"; anything else is refused."""
-    return env_choice(env.SEG_TMA, "pointer", SEG_TMA_MODES,
-                      "unset it or set it to 'pointer' (the segment-tree down projection's weights by pointer loads, "
-                      "the default) or 'tma' (by tensor descriptors)")
-
-
-def moe_tiles_mode() -> str:
-    """TRUE_ON_POLICY_MOE_TILES: "rows" (also when unset) or "tokens"; anything else is refused."""
-    return env_choice(env.MOE_TILES, "rows", MOE_TILES_MODES,
-                      "unset it or set it to 'rows' (the MoE GEMMs' tiles by the rows per expert, the default) or "
-                      "'tokens' (by the token count)")
-
-
-def moe_order_mode() -> str:
-    """TRUE_ON_POLICY_MOE_ORDER: "grouped" (also when unset) or "columns"; anything else is refused."""
-    return env_choice(env.MOE_ORDER, "grouped", MOE_ORDER_MODES,
-                      "unset it or set it to 'grouped' (the MoE GEMMs' programs in groups of M blocks, the default) "
-                      "or 'columns' (every M block of one N tile, then the next)")
-
-
-def tree_tile_mode() -> str:
-    """TRUE_ON_POLICY_TREE_TILE: "fixed" (also when unset) or "wide"; anything else is refused."""
-    return env_choice(env.TREE_TILE, "fixed", TREE_TILE_MODES,
-                      "unset it or set it to 'fixed' (the tree down projection's fixed tile above the decode path, the "
-                      "default) or 'wide' (its 64-row tile)")
+# the speed switches' readers (patching.switch_reader): the variable, its default, its modes, the fix a refusal names
+qk_norm_rope_mode = switch_reader(
+    env.QK_NORM_ROPE, "fused", QK_NORM_ROPE_MODES,
+    "unset it or set it to 'fused' (the QK-norm in the RoPE launch, the default) or 'separate' (the QK-norm in launches "
+    "of its own)")
+moe_silu_mode = switch_reader(
+    env.MOE_SILU, "separate", MOE_SILU_MODES,
+    "unset it or set it to 'separate' (kernels.moe.silu_mul's own launch, the default) or 'up' (silu(gate) * up stored "
+    "by the gate/up GEMM at decode)")
+seg_tma_mode = switch_reader(
+    env.SEG_TMA, "pointer", SEG_TMA_MODES,
+    "unset it or set it to 'pointer' (the segment-tree down projection's weights by pointer loads, the default) or "
+    "'tma' (by tensor descriptors)")
+moe_tiles_mode = switch_reader(
+    env.MOE_TILES, "rows", MOE_TILES_MODES,
+    "unset it or set it to 'rows' (the MoE GEMMs' tiles by the rows per expert, the default) or 'tokens' (by the token "
+    "count)")
+moe_order_mode = switch_reader(
+    env.MOE_ORDER, "grouped", MOE_ORDER_MODES,
+    "unset it or set it to 'grouped' (the MoE GEMMs' programs in groups of M blocks, the default) or 'columns' (every "
+    "M block of one N tile, then the next)")
+tree_tile_mode = switch_reader(
+    env.TREE_TILE, "fixed", TREE_TILE_MODES,
+    "unset it or set it to 'fixed' (the tree down projection's fixed tile above the decode path, the default) or "
+    "'wide' (its 64-row tile)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:

@@ -46,6 +46,16 @@ def env_choice(var, default: str, modes: tuple[str, ...], fix: str) -> str:
     return mode
 
 
+def switch_reader(var, default: str, modes: tuple[str, ...], fix: str):
+    """The reader a patch module names for the switch ``var``: each call returns ``env_choice(var, default, modes,
+    fix)``, the environment read at that call."""
+    def read() -> str:
+        return env_choice(var, default, modes, fix)
+    others = " or ".join(repr(m) for m in modes if m != default)
+    read.__doc__ = f"{var.name}: {default!r} (also when unset) or {others}; anything else is refused."
+    return read
+
+
 def qualified(obj: Any) -> str:
     """``module.qualname`` of a function or class (what a manifest prints for it)."""
     mod = getattr(obj, "__module__", None) or "?"
