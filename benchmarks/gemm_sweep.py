@@ -162,7 +162,7 @@ def _cases(gemm, t, g, w, mm, moe):
             per = mm.ALIGN // bm
             return be[:, None].expand(-1, per).reshape(-1).contiguous() if per > 1 else be
         touched = int(torch.unique(ids).numel())
-        order = 0 if mm.MOE_COLUMN_ORDER else mm.MOE_GROUP_M  # the rollout's order above the decode path
+        order = mm.moe_group()  # the rollout's order above the decode path
     if gemm == "down":
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask, n = used & (own >= 0), hid

@@ -299,6 +299,12 @@ MOE_GROUP_M = 8
 MOE_COLUMN_ORDER = False
 
 
+def moe_group() -> int:
+    """The GROUP of those GEMMs' launches above the decode path (``order_grid``): MOE_GROUP_M, or 0 (the column
+    order) under MOE_COLUMN_ORDER."""
+    return 0 if MOE_COLUMN_ORDER else MOE_GROUP_M
+
+
 def moe_tile(role: str, tokens: int, slots: int | None, experts: int) -> dict:
     """The TMA tile of the MoE's gate/up (``role="plain"``) or flat down projection ("down") where the decode
     tiles do not apply: by the rows per expert in use (GROUPED_UP_ROWS, DOWN_TMA) where ``slots`` is known,
@@ -940,7 +946,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     k = w.shape[-1]
     cfg = _tiles(segments, tree, k)
     count, subtiles, seg, group = rows.shape[0], 1, False, 0
-    order = 0 if MOE_COLUMN_ORDER else MOE_GROUP_M  # above the decode path
+    order = moe_group()  # above the decode path
     tma = cfg is COLUMN and grouped_tma.usable(x, w)
     decode = grouped_decode(tokens, slots, w.shape[0])
     halves = None
