@@ -29,8 +29,9 @@ has the gate/up GEMM store it at decode (``up``); ``tpo_pflat`` runs the prefill
 ``tpo_moetok`` and ``tpo_v1_moetok`` are ``tpo`` and ``tpo_v1`` with the MoE GEMMs' tiles above the decode path
 by the token count (``TRUE_ON_POLICY_MOE_TILES=tokens``; the default: by the rows per expert); ``tpo_moecol`` and
 ``tpo_v1_moecol`` run those GEMMs' programs (and v1's tree down projection's) in the column order
-(``TRUE_ON_POLICY_MOE_ORDER=columns``; the default: in groups of M blocks); ``tpo_v1_treewide`` is ``tpo_v1``
-with the tree down projection's 64-row tile above the decode path (``TRUE_ON_POLICY_TREE_TILE=wide``).
+(``TRUE_ON_POLICY_MOE_ORDER=columns``; the default: in groups of M blocks); ``tpo_v1_treefixed`` is ``tpo_v1``
+with the tree down projection's fixed tile above the decode path (``TRUE_ON_POLICY_TREE_TILE=fixed``; the default:
+by the rows per expert).
 ``TPO_ENV`` holds them: the same bits, speed only.
 """
 
@@ -46,7 +47,7 @@ FLAT = "qwen3_moe_true_on_policy_flat_v1"
 CONTRACTS = {"tpo_flat": FLAT, "tpo_v1": "qwen3_moe_true_on_policy_v1", "tpo_pg": "qwen3_moe_true_on_policy_pg_preview_v1",
              "tpo_flat_pg": "qwen3_moe_true_on_policy_flat_pg_preview_v1", "tpo_w2": "qwen3_moe_true_on_policy_w2_preview_v1",
              "tpo_v1_segtma": "qwen3_moe_true_on_policy_v1", "tpo_v1_moetok": "qwen3_moe_true_on_policy_v1",
-             "tpo_v1_moecol": "qwen3_moe_true_on_policy_v1", "tpo_v1_treewide": "qwen3_moe_true_on_policy_v1"}
+             "tpo_v1_moecol": "qwen3_moe_true_on_policy_v1", "tpo_v1_treefixed": "qwen3_moe_true_on_policy_v1"}
 TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant's environment (speed only)
            "tpo_fixed": {"TRUE_ON_POLICY_DECODE_TILES": "fixed"},
            "tpo_qknr": {"TRUE_ON_POLICY_QK_NORM_ROPE": "fused"},
@@ -60,7 +61,7 @@ TPO_ENV = {"tpo_tiles": {"TRUE_ON_POLICY_DECODE_TILES": "choose"},  # a variant'
            "tpo_v1_moetok": {"TRUE_ON_POLICY_MOE_TILES": "tokens"},
            "tpo_moecol": {"TRUE_ON_POLICY_MOE_ORDER": "columns"},
            "tpo_v1_moecol": {"TRUE_ON_POLICY_MOE_ORDER": "columns"},
-           "tpo_v1_treewide": {"TRUE_ON_POLICY_TREE_TILE": "wide"}}
+           "tpo_v1_treefixed": {"TRUE_ON_POLICY_TREE_TILE": "fixed"}}
 STOCK_BASE = {"attention_backend": "triton", "sampling_backend": "pytorch"}
 STOCK_EXTRA = {"stock": {}, "deterministic": {"enable_deterministic_inference": True},
                "stock_eager_prefill": {"cuda_graph_backend_prefill": "disabled"},

@@ -14,9 +14,9 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
   (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop), with the weights by
   pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
-  the token count: the decode tiles) with ``SEG_TMA`` off and on, and ROW_SEG (its tile above the decode path)
-  with its programs in each order (``ORDERS``: groups of 1 to 16 M blocks, ``matmul.program_tile``, or 0, the
-  column order). Every other MoE candidate tile runs its programs in the rollout's order above the decode path
+  the token count: the decode tiles, ``SEG_ROWS``' above them) with ``SEG_TMA`` off and on and under ``TREE_FIXED``
+  (ROW_SEG above the decode path), and ROW_SEG with its programs in each order (``ORDERS``: groups of 1 to 16 M
+  blocks, ``matmul.program_tile``, or 0, the column order). Every other MoE candidate tile runs its programs in the rollout's order above the decode path
   (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
@@ -82,7 +82,7 @@ SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=64, BK=32, num_warps=4, num_stages=4),
        dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
-       dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),  # ROW_SEG_WIDE where 3 stages overfill
+       dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),  # 64 x 128 in 8 warps where 3 stages overfill
        dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=16, num_stages=2),  # 16 warps: at most 128 registers a thread
@@ -175,13 +175,13 @@ def _cases(gemm, t, g, w, mm, moe):
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, tma=tma, group=order)
 
-        def rollout(tma):  # the MoE's call (decode tiles where grouped_decode holds), SEG_TMA off and on
-            def fn():
-                old, mm.SEG_TMA = mm.SEG_TMA, tma
+        def rollout(tma, fixed=False):  # the MoE's call (decode tiles where grouped_decode holds, SEG_ROWS above),
+            def fn():  # SEG_TMA off and on; TREE_FIXED: ROW_SEG above the decode path
+                old, mm.SEG_TMA, old_fixed, mm.TREE_FIXED = mm.SEG_TMA, tma, mm.TREE_FIXED, fixed
                 try:
                     return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True, tokens=t, slots=t * top)
                 finally:
-                    mm.SEG_TMA = old
+                    mm.SEG_TMA, mm.TREE_FIXED = old, old_fixed
             return fn
 
         def ordered(grp):  # ROW_SEG (the tree's tile above the decode path) in groups of grp M blocks
@@ -192,7 +192,8 @@ def _cases(gemm, t, g, w, mm, moe):
         cands = [("seg_tree", dict(c, group=order), seg(c)) for c in fits]
         cands += [("seg_tree_tma", dict(c, group=order), seg(c, True)) for c in fits]
         cands += [("seg_tree order", dict(mm.ROW_SEG, group=grp), ordered(grp)) for grp in ORDERS]
-        cands += [("rollout", {"SEG_TMA": False}, rollout(False)), ("rollout", {"SEG_TMA": True}, rollout(True))]
+        cands += [("rollout", {"SEG_TMA": False}, rollout(False)), ("rollout", {"SEG_TMA": True}, rollout(True)),
+                  ("rollout", {"SEG_TMA": False, "TREE_FIXED": True}, rollout(False, True))]
         return ref, cands, mask, touched * hid * inter * 2
     if gemm == "down_flat":  # tree width 1: the down projection as one plain grouped GEMM, fp32 out
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()

@@ -48,7 +48,7 @@ from workloads import QWEN_SAMPLING  # noqa: E402
 
 VARIANTS = ("stock", "stock_fi", "stock_moe", "stock_fi_moe", "tpo", "tpo_flat", "tpo_v1", "tpo_w2", "tpo_qknr",
             "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose", "tpo_v1_segtma", "tpo_moetok",
-            "tpo_v1_moetok", "tpo_moecol", "tpo_v1_moecol", "tpo_v1_treewide")
+            "tpo_v1_moetok", "tpo_moecol", "tpo_v1_moecol", "tpo_v1_treefixed")
 SAMPLING = {"plain": {}, "qwen": QWEN_SAMPLING}  # the workloads' per-request sampling
 
 

@@ -51,7 +51,7 @@ from results import markdown, summarize  # noqa: E402
 
 DEFAULT_VARIANTS = ("stock", "deterministic", "tpo", "tpo_no_logprob", "tpo_v1", "stock_eager_prefill")
 VARIANTS = (*DEFAULT_VARIANTS, "stock_fi", "stock_flashinfer", "stock_auto", "tpo_tiles", "tpo_fixed", "tpo_qknr", "tpo_qksep", "tpo_silusep", "tpo_siluup", "tpo_pflat", "tpo_pchoose", "tpo_flat", "tpo_pg",
-            "tpo_flat_pg", "tpo_w2", "tpo_v1_segtma", "tpo_moetok", "tpo_v1_moetok", "tpo_moecol", "tpo_v1_moecol", "tpo_v1_treewide", "stock_moe",
+            "tpo_flat_pg", "tpo_w2", "tpo_v1_segtma", "tpo_moetok", "tpo_v1_moetok", "tpo_moecol", "tpo_v1_moecol", "tpo_v1_treefixed", "stock_moe",
             "stock_fi_moe")  # run when named
 OPTIONAL = ("stock_fi", "stock_flashinfer", "stock_eager_prefill", "stock_auto", "stock_moe",
             "stock_fi_moe")  # a stock setting the host cannot start is recorded, left out

@@ -50,12 +50,17 @@ GROUPED_UP_TMA = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stag
 # (``kernels/seg_tree.py``: a segment in BK chunks plus a tail, the tree folded by selects), ROW_FLAT's
 # bits (GPU tier: test_seg_tree_equals_flat); chosen by benchmarks/gemm_sweep.py.
 ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
-# ROW_SEG_WIDE: that GEMM's wider tile above the decode path under TREE_WIDE (TRUE_ON_POLICY_TREE_TILE=wide, opt-in):
-# 64 rows in 8 warps, so its MMAs compile to wgmma (ROW_SEG's 32 rows to mma.sync) and an expert's weight tile
-# serves twice the rows, at the same registers a thread for the tree's partials. Every seg_tree tile computes the
-# same bits (GPU tier: test_seg_tree_equals_flat); ``seg_prefill_tile`` gives it the stages that fit.
-ROW_SEG_WIDE = dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3)
-TREE_WIDE = False
+# SEG_ROWS: that GEMM's tiles above the decode path by its segment's width, then by the rows an expert in use
+# receives from the call's slots (``expert_groups``; bounds on those rows, as DOWN_TMA's): the fastest of
+# benchmarks/gemm_sweep.py --gemms down's candidates in the rollout's order of programs at 235B-A22B's segments
+# (192 columns: 32 x 64 to 63 rows, 128 x 64 in 8 warps above, whose three stages stage 216 KB, over SMEM_BUDGET
+# but within the 227 KB a block has: tests/cpu/test_compile_facts.py) and 30B-A3B's (96: 64 x 64). ROW_SEG at any
+# other width, where the call gives no slots, and under TREE_FIXED (TRUE_ON_POLICY_TREE_TILE=fixed). Every
+# seg_tree tile computes the same bits (GPU tier: test_seg_tree_equals_flat); ``seg_prefill_tile`` picks.
+SEG_ROWS = {96: ((None, dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3)),),
+            192: ((63, dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3)),
+                  (None, dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)))}
+TREE_FIXED = False
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
 # fp32 dot is numpy BLAS, whose summation order depends on a row's place in the tile. Under
@@ -602,18 +607,14 @@ def seg_tiles(tokens: int, slots: int | None, experts: int, n: int, k: int, segm
 TREE_ROLES = ("split", "tree", "seg_tree")  # split_matmul's tiles (per plane 1, 2, 4); matmul(tree=True)'s; seg_tree's
 
 
-def seg_prefill_tile(seg: int) -> dict:
+def seg_prefill_tile(seg: int, slots: int | None, experts: int) -> dict:
     """The grouped tree GEMM's tile above the decode path where ROW_SEG runs (segments of ``seg`` columns that split
-    into its chunks and fit ``seg_tree.smem_ok``): under TREE_WIDE, ROW_SEG_WIDE in 3 stages, or 2 where 3 do not fit
-    (ROW_SEG where neither does); else ROW_SEG. A speed choice: every tile the same bits."""
-    from true_on_policy.kernels import seg_tree
-
-    if TREE_WIDE:
-        for stages in (ROW_SEG_WIDE["num_stages"], 2):
-            cfg = dict(ROW_SEG_WIDE, num_stages=stages)
-            if seg_tree.smem_ok(seg, cfg):
-                return cfg
-    return ROW_SEG
+    into its chunks and fit ``seg_tree.smem_ok``), for ``slots`` routed pairs over ``experts`` experts: SEG_ROWS'
+    tile for the rows an expert in use receives where the table has the width and the slots are known, unless
+    TREE_FIXED; else ROW_SEG. A speed choice: every tile the same bits."""
+    if TREE_FIXED or slots is None or seg not in SEG_ROWS:
+        return ROW_SEG
+    return by_rows(SEG_ROWS[seg], expert_groups(slots, experts)[1])
 
 
 def candidate_tiles(role: str) -> list[dict]:
@@ -622,7 +623,7 @@ def candidate_tiles(role: str) -> list[dict]:
     bit for bit ("split": each with 1, 2 and 4 segments per plane where they divide the segments)."""
     if role in TREE_ROLES:
         fixed = {"split": [ROW], "tree": [ROW_FLAT, ROW],
-                 "seg_tree": [ROW_SEG, ROW_SEG_WIDE, dict(ROW_SEG_WIDE, num_stages=2)]}[role]
+                 "seg_tree": [ROW_SEG, *(c for t in SEG_ROWS.values() for c in table_tiles(t))]}[role]
         grids = {"split": [SPLIT_GRID], "tree": [FLAT_GRID, SPLIT_GRID], "seg_tree": [SEG_GRID]}[role]
         out = list(fixed)
         for c in (c for g in grids for c in g.values()):
@@ -971,7 +972,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
             cfg = seg_tiles(tokens, slots, w.shape[0], w.shape[1], k, segments, sm_count(x))
             count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
         else:
-            cfg, group = seg_prefill_tile(k // segments), order
+            cfg, group = seg_prefill_tile(k // segments, slots, w.shape[0]), order
     per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)

@@ -20,7 +20,8 @@ arithmetic: Triton may rewrite ``d + dot(a, b, 0)`` as an MMA accumulating into 
 rounding) where the dot has no other use (``acc`` here has two: the fold reads it twice); the CPU tier
 checks the compiled IR (``tests/cpu/test_compile_facts.py``: each segment's MMAs from the zero tile, the
 fold three additions). Invariance: row i depends only on row i of x (or of the gathered rows) and
-on W; ``M`` is not specialised; the tile is ROW_SEG, or at decode token counts one of
+on W; ``M`` is not specialised; the tile is ROW_SEG, or above the decode path one of ``matmul.SEG_ROWS``
+(``matmul.seg_prefill_tile``: by the segment's width and the rows per expert), or at decode token counts one of
 ``matmul.SEG_GRID`` (``matmul.seg_tiles``: from the shape, BK and the tail kept, the same bits), whose
 program may run an expert block's row tiles in turn (``SUBTILES``).
 
@@ -160,7 +161,8 @@ def fits(seg: int, bk: int) -> bool:
     return seg > 0
 
 
-SMEM_BUDGET = 200 * 1024  # bytes of staged operands per program (the H200 allows 227 KB)
+SMEM_BUDGET = 200 * 1024  # bytes of staged operands per program (the H200 allows 227 KB; SEG_ROWS' tiles are
+# checked against those 227 KB by their sm_90a compile instead: tests/cpu/test_compile_facts.py)
 
 
 def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:

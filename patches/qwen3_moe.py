@@ -30,8 +30,9 @@
    (``kernels.matmul.MOE_TOKEN_TILES``, the same bits); unset or ``rows``, by the rows per expert.
    ``TRUE_ON_POLICY_MOE_ORDER=columns`` runs those GEMMs' programs (and the tree down projection's) above
    the decode path in the 2-D grid's column order (``kernels.matmul.MOE_COLUMN_ORDER``, the same bits); unset
-   or ``grouped``, in groups of M blocks. ``TRUE_ON_POLICY_TREE_TILE=wide`` gives the tree down projection above
-   the decode path its 64-row tile (``kernels.matmul.TREE_WIDE``, the same bits); unset or ``fixed``, ROW_SEG.
+   or ``grouped``, in groups of M blocks. ``TRUE_ON_POLICY_TREE_TILE=fixed`` gives the tree down projection above
+   the decode path its fixed tile (``kernels.matmul.TREE_FIXED``: ROW_SEG, the same bits); unset or ``rows``, its
+   tiles by the segment's width and the rows per expert (``kernels.matmul.SEG_ROWS``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ MOE_SILU_MODES = ("separate", "up")
 SEG_TMA_MODES = ("pointer", "tma")
 MOE_TILES_MODES = ("rows", "tokens")
 MOE_ORDER_MODES = ("grouped", "columns")
-TREE_TILE_MODES = ("fixed", "wide")
+TREE_TILE_MODES = ("rows", "fixed")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -90,9 +91,9 @@ moe_order_mode = switch_reader(
     "unset it or set it to 'grouped' (the MoE GEMMs' programs in groups of M blocks, the default) or 'columns' (every "
     "M block of one N tile, then the next)")
 tree_tile_mode = switch_reader(
-    env.TREE_TILE, "fixed", TREE_TILE_MODES,
-    "unset it or set it to 'fixed' (the tree down projection's fixed tile above the decode path, the default) or "
-    "'wide' (its 64-row tile)")
+    env.TREE_TILE, "rows", TREE_TILE_MODES,
+    "unset it or set it to 'rows' (the tree down projection's tiles above the decode path by the rows per expert, the "
+    "default) or 'fixed' (its fixed tile)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:
@@ -167,7 +168,7 @@ def apply(policy) -> PatchRecord:
     matmul.SEG_TMA = seg_tma_mode() == "tma"
     matmul.MOE_TOKEN_TILES = moe_tiles_mode() == "tokens"
     matmul.MOE_COLUMN_ORDER = moe_order_mode() == "columns"
-    matmul.TREE_WIDE = tree_tile_mode() == "wide"
+    matmul.TREE_FIXED = tree_tile_mode() == "fixed"
     reps = [wrap(ATTENTION_INIT, after(_attention_built)), wrap(MOE_FORWARD, replacing(tpo_moe_forward_normal)),
             wrap(QK_NORM, replacing(tpo_apply_qk_norm))]
     if fused:
@@ -185,8 +186,8 @@ def apply(policy) -> PatchRecord:
                               "(TRUE_ON_POLICY_MOE_TILES=tokens)" if matmul.MOE_TOKEN_TILES else "")
                            + ("; the MoE GEMMs' programs above the decode path in column order "
                               "(TRUE_ON_POLICY_MOE_ORDER=columns)" if matmul.MOE_COLUMN_ORDER else "")
-                           + ("; the tree down projection's 64-row tile above the decode path "
-                              "(TRUE_ON_POLICY_TREE_TILE=wide)" if matmul.TREE_WIDE else ""),
+                           + ("; the tree down projection's fixed tile above the decode path "
+                              "(TRUE_ON_POLICY_TREE_TILE=fixed)" if matmul.TREE_FIXED else ""),
                            "QK-norm on the strided q/k views (kernels.rmsnorm.rmsnorm_heads, rmsnorm's bits)"
                            + ("; with the RoPE and K/V write in one launch (heads up to kernels.rmsnorm.TILE_H)"
                               if fused else "; in launches of its own (TRUE_ON_POLICY_QK_NORM_ROPE=separate)")])

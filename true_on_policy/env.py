@@ -107,10 +107,10 @@ MOE_ORDER = EnvVar(
 
 TREE_TILE = EnvVar(
     "TRUE_ON_POLICY_TREE_TILE",
-    "'fixed' or unset gives v1's tree down projection above the decode path its fixed tile (kernels.matmul.ROW_SEG, "
-    "32 rows in 4 warps); 'wide' the 64-row tile in 8 warps (kernels.matmul.ROW_SEG_WIDE, wgmma, in the stages that "
-    "fit: kernels.matmul.seg_prefill_tile); any other value is refused when the patches install. Speed only: every "
-    "tile the same bits (tests/gpu/test_kernels_gpu.py checks them)",
+    "'rows' or unset gives v1's tree down projection above the decode path its tiles by the segment's width and the "
+    "rows per expert (kernels.matmul.SEG_ROWS, kernels.matmul.seg_prefill_tile); 'fixed' its fixed tile everywhere "
+    "(kernels.matmul.ROW_SEG, 32 rows in 4 warps); any other value is refused when the patches install. Speed only: "
+    "every tile the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(

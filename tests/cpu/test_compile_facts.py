@@ -10,8 +10,8 @@
   CPU interpreter would never see it, the GPU's bits would.
 - The MoE's grouped GEMMs compile to the same instructions whatever the order of their programs
   (``matmul.program_tile``, ``MOE_GROUP_M``): a GPU compile of the grouped order, checked without a GPU.
-- The tree down projection's wide tile (``TRUE_ON_POLICY_TREE_TILE=wide``, ``matmul.seg_prefill_tile``) compiles to
-  warp-group MMAs without a spill, within shared memory, the tree's arithmetic as written.
+- The tree down projection's tiles by the rows per expert (``matmul.SEG_ROWS``, ``matmul.seg_prefill_tile``) compile
+  without a spill, within shared memory, the tree's arithmetic as written.
 """
 
 import json
@@ -20,6 +20,7 @@ import sys
 
 import pytest
 from helpers import ROOT
+from true_on_policy.kernels import matmul as mm
 
 
 @pytest.fixture
@@ -51,7 +52,6 @@ TREE_FORMS = [(64, (32, 128), 1, False), (96, (32, 128), 1, False), (192, (32, 1
                                                                for s, t, b, m in TREE_FORMS])
 def test_the_compiled_tree_starts_each_segment_from_zero_and_folds_by_three_additions(compile_facts, seg, tile, sub,
                                                                                       tma):
-    from true_on_policy.kernels import matmul as mm
     from true_on_policy.kernels import seg_tree
 
     cfg = dict(mm.ROW_SEG, BLOCK_M=tile[0], BLOCK_N=tile[1])
@@ -86,22 +86,23 @@ def _tree_as_written(kernel, nch, tail):
         assert _source(adds[0][1], waited) == prev, (ir, "the fold's first addition", adds)
 
 
-@pytest.mark.parametrize("seg", [96, 192, 64])  # 30B-A3B's, 235B-A22B's and h1536e256k6's segments of 8
+ROWS_TILES = [(seg, cfg) for seg, table in sorted(mm.SEG_ROWS.items()) for cfg in mm.table_tiles(table)]
+
+
+@pytest.mark.parametrize("seg,cfg", ROWS_TILES, ids=[f"seg{s}-{c['BLOCK_M']}x{c['BLOCK_N']}" for s, c in ROWS_TILES])
 @pytest.mark.parametrize("tma", [False, True])
-def test_the_wide_tree_tile_compiles_to_warp_group_mmas_within_shared_memory(compile_facts, seg, tma, monkeypatch):
-    """The tree down projection's tile under TRUE_ON_POLICY_TREE_TILE=wide (``matmul.seg_prefill_tile``) compiles
-    for sm_90a to warp-group MMAs (ROW_SEG's 32 rows to mma.sync), without a spill, in the H100's 227 KB of shared
-    memory a block, in the rollout's order of programs, with the tree's arithmetic as written."""
-    from true_on_policy.kernels import matmul as mm
+def test_the_tree_tiles_by_rows_compile_within_shared_memory(compile_facts, seg, cfg, tma):
+    """Every tile of the tree down projection's table above the decode path (``matmul.SEG_ROWS``, the default
+    unless TRUE_ON_POLICY_TREE_TILE=fixed) compiles for sm_90a at its segment's width without a spill, in the
+    227 KB of shared memory an H100 or H200 block has (128 x 64 at 235B-A22B's 192 columns stages over
+    ``seg_tree.SMEM_BUDGET``), in the rollout's order of programs, with the tree's arithmetic as written."""
     from true_on_policy.kernels import seg_tree
 
-    monkeypatch.setattr(mm, "TREE_WIDE", True)
-    cfg = mm.seg_prefill_tile(seg)
-    assert cfg["BLOCK_M"] == mm.ROW_SEG_WIDE["BLOCK_M"] and cfg["num_stages"] in (2, 3), cfg
+    assert seg_tree.fits(seg, cfg["BK"]), (seg, cfg)
     kernel = compile_facts.seg_tree_kernel(cfg, seg, 8, 1, tma, group=mm.MOE_GROUP_M)
     got = compile_facts.facts(kernel)
-    assert got["HGMMA"] > 0 and got["HMMA"] == 0, got
     assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= 227 * 1024, got
+    assert got["HGMMA" if cfg["BLOCK_M"] >= 64 else "HMMA"] > 0, got
     _tree_as_written(kernel, *seg_tree.chunks_of(seg, cfg["BK"]))
 
 
@@ -123,8 +124,9 @@ def test_the_grouped_gemms_compile_alike_in_every_order(compile_facts):
     add instructions and the same shared memory, without a spill, whether their programs run in groups of
     MOE_GROUP_M M blocks (``matmul.program_tile``) or in the 2-D grid's column order: the order changes only
     which program computes a tile. Every tile of the rule's tables at the 235B-A22B layer (gate/up, bf16
-    out; the flat down projection, fp32 out) and v1's tree down projection (ROW_SEG, both weight fetches)."""
-    from true_on_policy.kernels import matmul as mm
+    out; the flat down projection, fp32 out) and v1's tree down projection (ROW_SEG, both weight fetches). SEG_ROWS'
+    tiles are not alike: at some segments and orders the compiler unrolls the segment loop (the GPU tier checks
+    their bits in every order: test_program_order_changes_no_bit)."""
 
     forms = [(compile_facts.grouped_tma_kernel, (cfg, 3072, 4096, "bf16")) for cfg in mm.table_tiles(mm.GROUPED_UP_ROWS)]
     forms += [(compile_facts.grouped_tma_kernel, (cfg, 4096, 1536, "fp32")) for cfg in mm.table_tiles(mm.DOWN_TMA)]

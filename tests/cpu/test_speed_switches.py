@@ -26,7 +26,7 @@ SWITCHES = {
     "TRUE_ON_POLICY_SEG_TMA": ("qwen3_moe", "seg_tma_mode", "pointer", ("pointer", "tma")),
     "TRUE_ON_POLICY_MOE_TILES": ("qwen3_moe", "moe_tiles_mode", "rows", ("rows", "tokens")),
     "TRUE_ON_POLICY_MOE_ORDER": ("qwen3_moe", "moe_order_mode", "grouped", ("grouped", "columns")),
-    "TRUE_ON_POLICY_TREE_TILE": ("qwen3_moe", "tree_tile_mode", "fixed", ("fixed", "wide")),
+    "TRUE_ON_POLICY_TREE_TILE": ("qwen3_moe", "tree_tile_mode", "rows", ("rows", "fixed")),
 }
 
 
@@ -37,7 +37,7 @@ FLAGS = {
     "TRUE_ON_POLICY_SEG_TMA": ("matmul", "SEG_TMA", "tma"),
     "TRUE_ON_POLICY_MOE_TILES": ("matmul", "MOE_TOKEN_TILES", "tokens"),
     "TRUE_ON_POLICY_MOE_ORDER": ("matmul", "MOE_COLUMN_ORDER", "columns"),
-    "TRUE_ON_POLICY_TREE_TILE": ("matmul", "TREE_WIDE", "wide"),
+    "TRUE_ON_POLICY_TREE_TILE": ("matmul", "TREE_FIXED", "fixed"),
 }
 
 APPLY = """

@@ -906,7 +906,7 @@ def test_a_tpo_variant_records_what_each_schedulers_graph_capture_chose():
     assert {"tpo_moecol", "tpo_v1_moecol"} <= set(throughput.VARIANTS)
     assert engines.variant_contract("tpo_moecol") == engines.variant_contract("tpo")
     assert engines.variant_contract("tpo_v1_moecol") == engines.variant_contract("tpo_v1")
-    # v1 with the tree down projection's 64-row tile above the decode path
-    assert engines.TPO_ENV["tpo_v1_treewide"] == {"TRUE_ON_POLICY_TREE_TILE": "wide"}
-    assert "tpo_v1_treewide" in throughput.VARIANTS
-    assert engines.variant_contract("tpo_v1_treewide") == engines.variant_contract("tpo_v1")
+    # v1 with the tree down projection's fixed tile above the decode path (the default: by the rows per expert)
+    assert engines.TPO_ENV["tpo_v1_treefixed"] == {"TRUE_ON_POLICY_TREE_TILE": "fixed"}
+    assert "tpo_v1_treefixed" in throughput.VARIANTS
+    assert engines.variant_contract("tpo_v1_treefixed") == engines.variant_contract("tpo_v1")

@@ -4,10 +4,10 @@
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
-#        prefilltiles | moetiles | moeorder | v1gap | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
+#        prefilltiles | moetiles | moeorder | v1gap | v1rows | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile, stockmoe,
 #        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, v1gap, moeparity, tilechoice, sampler, segsplit, contracts and w2)
+#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, v1gap, v1rows, moeparity, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -30,6 +30,9 @@ V1="--contract qwen3_moe_true_on_policy_v1"
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider \
   ${XDIST:+-n "$XDIST"} "$@"; }
 rc=0
+# the 235B-A22B layer shape's depth that fits this card: its H200 depth on a card of over 100 GB, else its H100 depth
+a22b_depth() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] \
+  && echo a22b_h200 || echo a22b_h100; }
 run() { "$@" || { rc=1; echo "FAILED: $*"; }; }
 case $GROUP in
   parity|all)
@@ -398,20 +401,36 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-moeorder.json" ;;
   v1gap)  # issue 37: what bounds v1 with the MoE GEMMs' programs in groups: v1's tree down projection at every
     # tile in the rollout's order (the 235B-A22B and 30B-A3B shapes), o_proj's tree forms at the 235B-A22B shape,
-    # then that shape's plain and qwen cells against both tuned stocks, the default, v1 and v1 with the tree's wide
-    # tile (TRUE_ON_POLICY_TREE_TILE=wide; resumable)
+    # then the 235B-A22B layer shape's plain and qwen cells (GEOMETRY; unset: the depth that fits the card) against
+    # both tuned stocks, the default and v1 (resumable)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    G=${GEOMETRY:-a22b_h100}
-    for m in "$G" a3b48; do
+    G=${GEOMETRY:-$(a22b_depth)}
+    for m in a22b_h100 a3b48; do
       run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --moe-geometry "$m" --gemms down \
         --tokens 512 2048 4096 8192 --out "$E/bench-tree-down-$m.json"
     done
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --dense-geometry "$G" --gemms o_proj \
-      --tokens 2048 4096 --out "$E/bench-tree-oproj-$G.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --dense-geometry a22b_h100 --gemms o_proj \
+      --tokens 2048 4096 --out "$E/bench-tree-oproj-a22b_h100.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
-      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_v1 tpo_v1_treewide} \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo tpo_v1} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1gap.json" ;;
+  v1rows)  # issue 37: v1's tree down projection above the decode path by the rows per expert (matmul.SEG_ROWS, the
+    # default): first the bits of every tile in every order of programs (the GPU tier), then the table against the
+    # fixed tile (tpo_v1_treefixed) inside servers: the 235B-A22B layer shape's plain and qwen
+    # cells (GEOMETRY; unset: the depth that fits the card) against both tuned stocks with the default, then
+    # 30B-A3B's 48 layers' plain and tail against stock (resumable; the v1 parity after it: MOE_TAG=v1rows V1_48=1
+    # moeparity)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    G=${GEOMETRY:-$(a22b_depth)}
+    run tier gpu-tier-seg-rows tests/gpu/test_kernels_gpu.py -k "program_order or seg_tree_equals_flat"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo_v1 tpo_v1_treefixed tpo} \
+      --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1rows.json"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
+      --variants stock tpo_v1 tpo_v1_treefixed --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http \
+      --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-v1rows.json" ;;
   moeparity)  # issue 37's parity acceptance after a change to the MoE GEMMs (MOE_TAG names the files: moetiles,
     # the tiles by the rows per expert; moeorder, the programs in groups): the 235B-A22B layer shape (2 layers; a
     # 4096-token prompt chunked at 2048, then 8 radix-cache hits) and the h1536 truncation stress (a geometry of our

@@ -593,9 +593,10 @@ def test_token_logprobs(gpu_evidence):
 SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection runs
              "decode16": dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "k32": dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
+             "m32n64": dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
-             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
-             "wide": None, "wide2": None}  # matmul.ROW_SEG_WIDE (TRUE_ON_POLICY_TREE_TILE=wide), 3 and 2 stages
+             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)}
+# (the last three: matmul.SEG_ROWS' tiles)
 
 
 @pytest.mark.parametrize("tiles", sorted(SEG_TILES))
@@ -609,10 +610,10 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.moe import align
 
-    cfg = SEG_TILES[tiles] or {"wide": mm.ROW_SEG_WIDE, "wide2": dict(mm.ROW_SEG_WIDE, num_stages=2)}.get(tiles, mm.ROW_SEG)
+    cfg = SEG_TILES[tiles] or mm.ROW_SEG
     if not st.fits(k // segments, cfg["BK"]):
         pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
-    if not st.smem_ok(k // segments, cfg):
+    if not st.smem_ok(k // segments, cfg) and cfg not in mm.table_tiles(mm.SEG_ROWS.get(k // segments, ())):
         pytest.skip("staged operands exceed shared memory: grouped_matmul runs ROW_FLAT for such segments")
     g = _gen(rows + k + segments)
     x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
@@ -970,9 +971,9 @@ ORDER_GROUPS = [0, 1, 4, 8, 16]  # M blocks per group of programs (``matmul.prog
 def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
     """The MoE's grouped GEMMs above the decode path give the same bits in every order of their programs: the
     gate/up (bf16 out) and the flat down projection (fp32 out) by TMA at the rule's tile (``moe_tile``), and
-    v1's 8-segment tree down projection (``seg_tree``, ROW_SEG), each launched in groups of 1, 4, 8 and 16 M
-    blocks and in the column order, at 512 to 8192 tokens; ``grouped_matmul`` with MOE_COLUMN_ORDER off and on
-    gives those bits too."""
+    v1's 8-segment tree down projection (``seg_tree``, ROW_SEG and every tile of SEG_ROWS at the layer's segment),
+    each launched in groups of 1, 4, 8 and 16 M blocks and in the column order, at 512 to 8192 tokens;
+    ``grouped_matmul`` with MOE_COLUMN_ORDER off and on gives those bits too."""
     import true_on_policy.kernels.grouped_tma as gt
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
@@ -1006,6 +1007,12 @@ def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
                           group=grp)[real] for grp in ORDER_GROUPS]
         for grp, out in zip(ORDER_GROUPS[1:], outs[1:], strict=True):
             _same(out, outs[0], f"{geometry} seg_tree tokens={t} group={grp}")
+        for cfg in mm.table_tiles(mm.SEG_ROWS.get(inter // 8, ())):  # v1's tiles by the rows per expert
+            bexp = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
+            for grp in ORDER_GROUPS:
+                out = st.launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, p, 8, cfg,
+                                group=grp)[real]
+                _same(out, outs[0], f"{geometry} seg_tree tokens={t} tile {cfg} group={grp}")
         for columns in (False, True):
             monkeypatch.setattr(mm, "MOE_COLUMN_ORDER", columns)
             api = mm.grouped_matmul(hid, w2, own, be, torch.float32, 8, tree=True, tokens=t, slots=slots)
