@@ -16,8 +16,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
   the token count: the decode tiles, ``SEG_ROWS``' above them) with ``SEG_TMA`` off and on and under ``TREE_FIXED``
   (ROW_SEG above the decode path), and ROW_SEG with its programs in each order (``ORDERS``: groups of 1 to 16 M
-  blocks, ``matmul.program_tile``, or 0, the column order). Every other MoE candidate tile runs its programs in the rollout's order above the decode path
-  (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
+  blocks, ``matmul.program_tile``, or 0, the column order). Every other MoE candidate tile runs its programs in the
+  rollout's order above the decode path (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
   with the token count and slots: ``moe_tile``'s tile above the decode path), that tile in each order of its

@@ -51,10 +51,11 @@ GROUPED_UP_TMA = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stag
 # bits (GPU tier: test_seg_tree_equals_flat); chosen by benchmarks/gemm_sweep.py.
 ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
 # SEG_ROWS: that GEMM's tiles above the decode path by its segment's width, then by the rows an expert in use
-# receives from the call's slots (``expert_groups``; bounds on those rows, as DOWN_TMA's): the fastest of
-# benchmarks/gemm_sweep.py --gemms down's candidates in the rollout's order of programs at 235B-A22B's segments
-# (192 columns: 32 x 64 to 63 rows, 128 x 64 in 8 warps above, whose three stages stage 216 KB, over SMEM_BUDGET
-# but within the 227 KB a block has: tests/cpu/test_compile_facts.py) and 30B-A3B's (96: 64 x 64). ROW_SEG at any
+# receives from the call's slots (``expert_groups``; bounds on those rows, as DOWN_TMA's): of
+# benchmarks/gemm_sweep.py --gemms down's candidates in the rollout's order of programs, by pointer loads, the
+# fastest at each measured row count or within 4 % of it, at 235B-A22B's segments (192 columns: 32 x 64 to 63 rows,
+# 128 x 64 in 8 warps above, whose three stages stage 216 KB, over SMEM_BUDGET but within the 227 KB a block has:
+# tests/cpu/test_compile_facts.py) and 30B-A3B's (96: 64 x 64 at every row count). ROW_SEG at any
 # other width, where the call gives no slots, and under TREE_FIXED (TRUE_ON_POLICY_TREE_TILE=fixed). Every
 # seg_tree tile computes the same bits (GPU tier: test_seg_tree_equals_flat); ``seg_prefill_tile`` picks.
 SEG_ROWS = {96: ((None, dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3)),),
