@@ -423,7 +423,7 @@ case $GROUP in
     # moeparity)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     G=${GEOMETRY:-$(a22b_depth)}
-    run tier gpu-tier-seg-rows tests/gpu/test_kernels_gpu.py -k "program_order or seg_tree_equals_flat"
+    run tier gpu-tier-seg-rows tests/gpu/test_kernels_gpu.py -k "program_order or seg_tree_equals_flat or seg_tree_tma_equals_pointer"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
       --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo_v1 tpo_v1_treefixed tpo} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \

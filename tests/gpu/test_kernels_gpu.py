@@ -872,7 +872,8 @@ def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
             be, own, hx, real = _down_rows(g, t, e, top_k, kd)
             p = own.shape[0]
             for cfg in mm.candidate_tiles("seg_tree"):  # ROW_SEG first
-                if not (st.fits(kd // segments, cfg["BK"]) and st.smem_ok(kd // segments, cfg)):
+                seg = kd // segments  # (SEG_ROWS' tiles run at their widths past smem_ok's budget)
+                if not (st.fits(seg, cfg["BK"]) and (st.smem_ok(seg, cfg) or cfg in mm.table_tiles(mm.SEG_ROWS.get(seg, ())))):
                     continue
                 for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
                     count = p if sub == 1 else mm.used_blocks(t * top_k, e) * mm.ALIGN
