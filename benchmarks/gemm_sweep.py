@@ -84,6 +84,10 @@ SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=3),
        dict(BLOCK_M=64, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),  # 64 x 128 in 8 warps where 3 stages overfill
        dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
+       dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=4),  # 4 stages where a segment is narrow
+       dict(BLOCK_M=64, BLOCK_N=32, BK=64, num_warps=4, num_stages=3),  # 32 columns: in groups of M blocks (the
+       dict(BLOCK_M=128, BLOCK_N=32, BK=64, num_warps=4, num_stages=3),  # rollout's order) a group's activation
+       dict(BLOCK_M=128, BLOCK_N=32, BK=64, num_warps=8, num_stages=3),  # rows serve every N tile from L2
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, num_stages=2),
        dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=16, num_stages=2),  # 16 warps: at most 128 registers a thread
        dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=16, num_stages=3)]
