@@ -425,7 +425,7 @@ case $GROUP in
     G=${GEOMETRY:-$(a22b_depth)}
     run tier gpu-tier-seg-rows tests/gpu/test_kernels_gpu.py -k "program_order or seg_tree_equals_flat or seg_tree_tma_equals_pointer"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
-      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe stock_fi_moe tpo_v1 tpo_v1_treefixed tpo} \
+      --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe tpo_v1 tpo_v1_treefixed stock_fi_moe tpo} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1rows.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
