@@ -14,10 +14,11 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
 - down: h [P, 768] @ w2 [128, 2048, 768], 8-segment tree, fp32 out; reference ROW_FLAT
   (``_tree_dot_flat``); candidates: ``seg_tree`` (the segments as the pipelined loop), with the weights by
   pointer loads and by tensor descriptor (``seg_tree_tma``), and the rollout's call (``grouped_matmul`` with
-  the token count: the decode tiles, ``SEG_ROWS``' above them) with ``SEG_TMA`` off and on and under ``TREE_FIXED``
-  (ROW_SEG above the decode path), and ROW_SEG with its programs in each order (``ORDERS``: groups of 1 to 16 M
-  blocks, ``matmul.program_tile``, or 0, the column order). Every other MoE candidate tile runs its programs in the
-  rollout's order above the decode path (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
+  the token count: the decode tiles, above them the tile ``choose_tree_tiles`` timed for the shape, as a server's
+  start-up does) with ``SEG_TMA`` off and on and under ``TREE_FIXED`` (ROW_SEG above the decode path), and
+  ROW_SEG with its programs in each order (``ORDERS``: groups of 1 to 16 M blocks, ``matmul.program_tile``, or 0,
+  the column order). Every other MoE candidate tile runs its programs in the rollout's order above the decode path
+  (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
   with the token count and slots: ``moe_tile``'s tile above the decode path), that tile in each order of its
@@ -170,6 +171,8 @@ def _cases(gemm, t, g, w, mm, moe):
     if gemm == "down":
         h = torch.randn(rows.shape[0], inter, device="cuda", generator=g).bfloat16()
         mask, n = used & (own >= 0), hid
+        if (inter // 8, hid, e) not in mm.TREE_CHOSEN:  # the server's start-up choice for the shape, made once
+            mm.choose_tree_tiles(w["w2"], 8)
 
         def ref():
             return mm.grouped_matmul(h, w["w2"], own, be, torch.float32, 8, tree=True)
@@ -179,7 +182,7 @@ def _cases(gemm, t, g, w, mm, moe):
             b = bexp(cfg["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, tma=tma, group=order)
 
-        def rollout(tma, fixed=False):  # the MoE's call (decode tiles where grouped_decode holds, SEG_ROWS above),
+        def rollout(tma, fixed=False):  # the MoE's call (decode tiles where grouped_decode holds, the choice above),
             def fn():  # SEG_TMA off and on; TREE_FIXED: ROW_SEG above the decode path
                 old, mm.SEG_TMA, old_fixed, mm.TREE_FIXED = mm.SEG_TMA, tma, mm.TREE_FIXED, fixed
                 try:

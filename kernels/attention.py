@@ -452,7 +452,7 @@ def tile_label(tile: dict | None) -> str:
     return name + (" flat" if tile.get("loop") == "flat" else "") + (f" split {tile['split']}" if "split" in tile else "")
 
 
-def _time_graphs(calls, device, rounds: int, reps: int) -> list[float]:
+def time_graphs(calls, device, rounds: int, reps: int) -> list[float]:
     """Median ms of one CUDA-graph replay of ``reps`` calls of each of ``calls``, every call compiled and
     warmed on a side stream before its capture, the graphs (one shared pool, as SGLang's share one)
     alternated over ``rounds`` rounds after a warm-up round. Graphs, as the server replays them: timing
@@ -489,7 +489,7 @@ def _time_graphs(calls, device, rounds: int, reps: int) -> list[float]:
 
 def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, reps, gen) -> list[float]:
     """Median ms of one CUDA-graph replay of ``reps`` decode calls per tile of ``tiles`` (None: the
-    fixed tile) for ``b`` sequences of ``context`` keys at random rows of the pool (``_time_graphs``)."""
+    fixed tile) for ``b`` sequences of ``context`` keys at random rows of the pool (``time_graphs``)."""
     ctx = max(1, min(context, max_kv_len))
     table = torch.randint(0, k_buf.shape[0], (b, ctx), device=k_buf.device, generator=gen, dtype=torch.int32)
     q = torch.randn(b, hq, d, device=k_buf.device, generator=gen).to(k_buf.dtype)
@@ -500,12 +500,12 @@ def _time_decode(hq, d, b, tiles, k_buf, v_buf, max_kv_len, context, rounds, rep
     def call(tile):
         return lambda: attention(q, k_buf, v_buf, table, None, None, None, 1, max_kv_len=max_kv_len, seq_lens=lens,
                                  out=out, tile=tile or fixed)
-    return _time_graphs([call(t) for t in tiles], k_buf.device, rounds, reps)
+    return time_graphs([call(t) for t in tiles], k_buf.device, rounds, reps)
 
 
 def _time_prefill(hq, d, b, new, tiles, k_buf, v_buf, max_kv_len, rounds, reps, gen) -> list[float]:
     """Median ms of one CUDA-graph replay of ``reps`` prefill calls per tile of ``tiles``: ``b`` fresh
-    sequences of ``new`` tokens each, causal, their keys at random rows of the pool (``_time_graphs``)."""
+    sequences of ``new`` tokens each, causal, their keys at random rows of the pool (``time_graphs``)."""
     dev, i32 = k_buf.device, torch.int32
     table = torch.randint(0, k_buf.shape[0], (b, new), device=dev, generator=gen, dtype=i32)
     q = torch.randn(b * new, hq, d, device=dev, generator=gen).to(k_buf.dtype)
@@ -517,7 +517,7 @@ def _time_prefill(hq, d, b, new, tiles, k_buf, v_buf, max_kv_len, rounds, reps, 
     def call(tile):
         return lambda: attention(q, k_buf, v_buf, table, starts, lens, pos0, new, max_kv_len=max_kv_len, out=out,
                                  tile=tile)
-    return _time_graphs([call(t) for t in tiles], dev, rounds, reps)
+    return time_graphs([call(t) for t in tiles], dev, rounds, reps)
 
 
 def choose_decode_tiles(hq: int, hkv: int, d: int, batches, k_buf, v_buf, max_kv_len: int, context: int = 1024,

@@ -50,17 +50,22 @@ GROUPED_UP_TMA = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stag
 # (``kernels/seg_tree.py``: a segment in BK chunks plus a tail, the tree folded by selects), ROW_FLAT's
 # bits (GPU tier: test_seg_tree_equals_flat); chosen by benchmarks/gemm_sweep.py.
 ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
-# SEG_ROWS: that GEMM's tiles above the decode path by its segment's width, then by the rows an expert in use
-# receives from the call's slots (``expert_groups``; bounds on those rows, as DOWN_TMA's): of
-# benchmarks/gemm_sweep.py --gemms down's candidates in the rollout's order of programs, by pointer loads, the
-# fastest at each measured row count or within 4 % of it, at 235B-A22B's segments (192 columns: 32 x 64 to 63 rows,
-# 128 x 64 in 8 warps above, whose three stages stage 216 KB, over SMEM_BUDGET but within the 227 KB a block has:
-# tests/cpu/test_compile_facts.py) and 30B-A3B's (96: 64 x 64 at every row count). ROW_SEG at any
-# other width, where the call gives no slots, and under TREE_FIXED (TRUE_ON_POLICY_TREE_TILE=fixed). Every
-# seg_tree tile computes the same bits (GPU tier: test_seg_tree_equals_flat); ``seg_prefill_tile`` picks.
-SEG_ROWS = {96: ((None, dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3)),),
-            192: ((63, dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3)),
-                  (None, dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)))}
+# TREE_CANDIDATES: that GEMM's tiles above the decode path, one of which is timed fastest once at start-up at the
+# model's shape on this rank (``choose_tree_tiles``; the patches run it before the first CUDA-graph capture unless
+# TRUE_ON_POLICY_TREE_TILE=fixed), at each of TREE_BUCKETS' rows per expert; a call then takes its bucket's choice
+# (``seg_prefill_tile``). The fastest tile differs with the segment's width, the rows per expert and the card
+# (benchmarks/gemm_sweep.py --gemms down, evidence/bench-tree-down-*.json: 32 x 64 to 128 x 64 at 235B-A22B's
+# 192-column segments, 64 x 64 at 30B-A3B's 96), so no constant serves every Qwen3-MoE shape. A candidate runs where
+# its stages fit the block's shared memory (``seg_tree.fits_block``: 128 x 64's three stages of a 192-column segment
+# take 216 KB, over ``seg_tree.SMEM_BUDGET``). ROW_SEG where nothing was timed (CUDA graphs off) and under TREE_FIXED.
+# Every candidate computes ROW_SEG's bits (GPU tier: test_seg_tree_equals_flat, test_program_order_changes_no_bit).
+TREE_CANDIDATES = (ROW_SEG,
+                   dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+                   dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
+                   dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
+                   dict(BLOCK_M=128, BLOCK_N=32, BK=64, num_warps=8, num_stages=3))
+TREE_BUCKETS = ((63, 32), (191, 128), (None, 256))  # (bound on a call's rows per expert, the rows timed for it)
+TREE_CHOSEN: dict[tuple[int, int, int], tuple] = {}  # (segment width, N, experts) -> a by_rows table of the choice
 TREE_FIXED = False
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
@@ -608,14 +613,83 @@ def seg_tiles(tokens: int, slots: int | None, experts: int, n: int, k: int, segm
 TREE_ROLES = ("split", "tree", "seg_tree")  # split_matmul's tiles (per plane 1, 2, 4); matmul(tree=True)'s; seg_tree's
 
 
-def seg_prefill_tile(seg: int, slots: int | None, experts: int) -> dict:
+def seg_prefill_tile(seg: int, n: int, slots: int | None, experts: int) -> dict:
     """The grouped tree GEMM's tile above the decode path where ROW_SEG runs (segments of ``seg`` columns that split
-    into its chunks and fit ``seg_tree.smem_ok``), for ``slots`` routed pairs over ``experts`` experts: SEG_ROWS'
-    tile for the rows an expert in use receives where the table has the width and the slots are known, unless
-    TREE_FIXED; else ROW_SEG. A speed choice: every tile the same bits."""
-    if TREE_FIXED or slots is None or seg not in SEG_ROWS:
-        return ROW_SEG
-    return by_rows(SEG_ROWS[seg], expert_groups(slots, experts)[1])
+    into its chunks and fit ``seg_tree.smem_ok``; ``n`` output columns), for ``slots`` routed pairs over ``experts``
+    experts: the start-up choice for that shape (TREE_CHOSEN, ``choose_tree_tiles``) at the rows an expert in use
+    receives; ROW_SEG where none was made, where the slots are unknown, and under TREE_FIXED. A speed choice: every
+    tile the same bits."""
+    table = None if TREE_FIXED or slots is None else TREE_CHOSEN.get((seg, n, experts))
+    return ROW_SEG if table is None else by_rows(table, expert_groups(slots, experts)[1])
+
+
+def seg_path(k: int, segments: int) -> bool:
+    """Whether the grouped tree GEMM over a K of ``k`` in ``segments`` segments runs ``seg_tree`` (the segments as
+    the pipelined loop): on a GPU, where the segments split into ROW_SEG's chunks and its stages fit
+    ``seg_tree.smem_ok`` (else the flat loop, ``_launch``)."""
+    from true_on_policy.kernels import seg_tree
+
+    return (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
+            and seg_tree.smem_ok(k // segments, ROW_SEG))
+
+
+def tree_candidates(seg: int) -> list[dict]:
+    """TREE_CANDIDATES whose chunks split a ``seg``-column segment and whose stages fit a block's shared memory
+    (``seg_tree.fits_block``), ROW_SEG first."""
+    from true_on_policy.kernels import seg_tree
+
+    return [c for c in TREE_CANDIDATES if seg_tree.fits(seg, c["BK"]) and seg_tree.fits_block(seg, c)]
+
+
+def time_tree_tiles(w, segments: int, rows: int, cands, rounds: int = 3, reps: int = 3) -> list[float]:
+    """Median ms of a CUDA-graph replay of ``reps`` launches of the grouped tree GEMM (``seg_tree``, as
+    ``grouped_matmul`` launches it above the decode path) with each tile of ``cands``, over w [E, N, K]'s experts
+    each receiving ``rows`` rows of random activations (``moe.align``'s table), alternated over ``rounds`` rounds
+    (``attention.time_graphs``). CUDA only."""
+    import torch
+    from true_on_policy.kernels import attention, grouped_tma, seg_tree
+    from true_on_policy.kernels.moe import align
+
+    e, n, k = w.shape
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    ids = (torch.arange(rows * e, device=w.device, dtype=torch.int32) % e).view(-1, 1)  # ``rows`` rows an expert
+    _, be, _, own = align(ids, 0, e)
+    h = torch.randn(own.shape[0], k, device=w.device, generator=gen).to(w.dtype)
+    out = torch.empty(own.shape[0], n, dtype=torch.float32, device=w.device)
+    tma, group = SEG_TMA and grouped_tma.usable(h, w), moe_group()
+
+    def call(cfg):
+        bexp = be.repeat_interleave(ALIGN // cfg["BLOCK_M"])
+        return lambda: seg_tree.launch(h, w, out, own, bexp, own.shape[0], segments, cfg, tma=tma, group=group)
+    return attention.time_graphs([call(c) for c in cands], w.device, rounds, reps)
+
+
+def choose_tree_tiles(w, segments: int, rounds: int = 3, reps: int = 3, timer=None,
+                      times_out: dict | None = None) -> dict[str, dict]:
+    """Time ``tree_candidates`` for the grouped tree GEMM over w [E, N, K] in ``segments`` segments at each of
+    TREE_BUCKETS' rows per expert (``timer(w, segments, rows, cands)``, default ``time_tree_tiles``), keep the
+    fastest of each bucket (``attention.pick_tile``: a candidate replaces ROW_SEG only when faster by its margin),
+    install the choice for the shape (TREE_CHOSEN) and return {rows timed: tile}; nothing where ``seg_path`` does
+    not hold (the flat loop runs). Speed only: every candidate gives ROW_SEG's bits. ``times_out`` (optional)
+    receives {rows: [ms per candidate]}. Call it outside CUDA-graph capture."""
+    from true_on_policy.kernels import attention
+
+    e, n, k = w.shape
+    if segments < 2 or not seg_path(k, segments):
+        return {}
+    seg, timer = k // segments, timer or time_tree_tiles
+    cands = tree_candidates(seg)
+    table, chosen = [], {}
+    for bound, rows in TREE_BUCKETS:
+        med = timer(w, segments, rows, cands)
+        if times_out is not None:
+            times_out[rows] = list(med)
+        best = attention.pick_tile({None: med[0], **{i: t for i, t in enumerate(med) if i}})
+        cfg = cands[0 if best is None else best]
+        table.append((bound, cfg))
+        chosen[str(rows)] = cfg
+    TREE_CHOSEN[(seg, n, e)] = tuple(table)
+    return chosen
 
 
 def candidate_tiles(role: str) -> list[dict]:
@@ -624,7 +698,7 @@ def candidate_tiles(role: str) -> list[dict]:
     bit for bit ("split": each with 1, 2 and 4 segments per plane where they divide the segments)."""
     if role in TREE_ROLES:
         fixed = {"split": [ROW], "tree": [ROW_FLAT, ROW],
-                 "seg_tree": [ROW_SEG, *(c for t in SEG_ROWS.values() for c in table_tiles(t))]}[role]
+                 "seg_tree": list(TREE_CANDIDATES)}[role]
         grids = {"split": [SPLIT_GRID], "tree": [FLAT_GRID, SPLIT_GRID], "seg_tree": [SEG_GRID]}[role]
         out = list(fixed)
         for c in (c for g in grids for c in g.values()):
@@ -965,15 +1039,14 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         cfg, group = moe_tile(role, tokens, slots, w.shape[0]), order
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
-    elif (GROUPED_SEG and not INTERPRETED and k % segments == 0 and seg_tree.fits(k // segments, ROW_SEG["BK"])
-          and seg_tree.smem_ok(k // segments, ROW_SEG)):
+    elif seg_path(k, segments):
         # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
         seg = True
         if decode:
             cfg = seg_tiles(tokens, slots, w.shape[0], w.shape[1], k, segments, sm_count(x))
             count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
         else:
-            cfg, group = seg_prefill_tile(k // segments, slots, w.shape[0]), order
+            cfg, group = seg_prefill_tile(k // segments, w.shape[1], slots, w.shape[0]), order
     per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)

@@ -20,8 +20,8 @@ arithmetic: Triton may rewrite ``d + dot(a, b, 0)`` as an MMA accumulating into 
 rounding) where the dot has no other use (``acc`` here has two: the fold reads it twice); the CPU tier
 checks the compiled IR (``tests/cpu/test_compile_facts.py``: each segment's MMAs from the zero tile, the
 fold three additions). Invariance: row i depends only on row i of x (or of the gathered rows) and
-on W; ``M`` is not specialised; the tile is ROW_SEG, or above the decode path one of ``matmul.SEG_ROWS``
-(``matmul.seg_prefill_tile``: by the segment's width and the rows per expert), or at decode token counts one of
+on W; ``M`` is not specialised; the tile is ROW_SEG, or above the decode path one of ``matmul.TREE_CANDIDATES``
+(``matmul.seg_prefill_tile``: timed at start-up for the shape, by the rows per expert), or at decode token counts one of
 ``matmul.SEG_GRID`` (``matmul.seg_tiles``: from the shape, BK and the tail kept, the same bits), whose
 program may run an expert block's row tiles in turn (``SUBTILES``).
 
@@ -161,14 +161,22 @@ def fits(seg: int, bk: int) -> bool:
     return seg > 0
 
 
-SMEM_BUDGET = 200 * 1024  # bytes of staged operands per program (the H200 allows 227 KB; SEG_ROWS' tiles are
-# checked against those 227 KB by their sm_90a compile instead: tests/cpu/test_compile_facts.py)
+SMEM_BUDGET = 200 * 1024  # bytes of staged operands per program (the H200 allows 227 KB)
+BLOCK_SMEM = 227 * 1024  # the shared memory one block may hold on an H100 or H200
+BLOCK_SPARE = 1024  # what a compiled program holds beside its staged operands (TMA barriers: 88 bytes)
 
 
 def smem_ok(seg: int, cfg: dict, elem: int = 2) -> bool:
     """Whether ``num_stages`` copies of a whole segment's operands fit: a wider segment (e.g.
     Coder-480B-A35B's 2560 / 8 = 320) takes another form (``matmul.ROW_FLAT``)."""
     return cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * seg * elem <= SMEM_BUDGET
+
+
+def fits_block(seg: int, cfg: dict, elem: int = 2) -> bool:
+    """Whether ``num_stages`` copies of a whole segment's operands and BLOCK_SPARE fit one block's shared memory
+    (BLOCK_SMEM): the bound of the start-up choice's candidates (``matmul.tree_candidates``), past SMEM_BUDGET.
+    tests/cpu/test_compile_facts.py compiles every candidate this admits, at the real segment widths, within it."""
+    return cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * seg * elem + BLOCK_SPARE <= BLOCK_SMEM
 
 
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict, dot_f32: bool = False,

@@ -11,7 +11,10 @@ times the decode attention's candidate tiles for each batch (``choose_decode_til
 candidate gives the fixed tile's bits) and the manifest records the choice; with
 TRUE_ON_POLICY_PREFILL_LOOP=choose it also times the prefill attention's candidate tiles
 (``choose_prefill_tiles``; the same bits too) before the first capture of either runner, so a
-server without CUDA graphs keeps the prefill's default tile. Replay pads a batch up
+server without CUDA graphs keeps the prefill's default tile. Unless TRUE_ON_POLICY_TREE_TILE=fixed, the first
+capture likewise times v1's tree down projection's candidate tiles above the decode path on each MoE layer shape's
+own weights (``choose_tree_tiles``; the same bits too; nothing under a contract without the tree); without CUDA
+graphs it keeps its fixed tile. Replay pads a batch up
 to the next captured size; every kernel is row-independent, so the padded rows change no bit of
 the real ones (decode: checked on the GPU, eager == graph; prefill: parity at 6 layers under both
 prefill-graph previews).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import time
 
 from true_on_policy.patches.attention_backend import prefill_loop_mode
+from true_on_policy.patches.qwen3_moe import tree_tile_mode
 
 from true_on_policy import env, patching
 from true_on_policy.manifest import PatchRecord
@@ -59,6 +63,10 @@ def _make_capture(original, target=CAPTURE):
             t0 = time.perf_counter()
             CAPTURED["prefill_tiles"] = choose_prefill_tiles(self.model_runner)
             CAPTURED["prefill_tiles_s"] = round(time.perf_counter() - t0, 3)
+        if tree_tile_mode() == "choose" and "tree_tiles" not in CAPTURED:  # before the first capture of either
+            t0 = time.perf_counter()
+            CAPTURED["tree_tiles"] = choose_tree_tiles(self.model_runner)
+            CAPTURED["tree_tiles_s"] = round(time.perf_counter() - t0, 3)
         result = original(self, *args, **kwargs)
         CAPTURED["captured"] = True
         if target == PREFILL_CAPTURE:
@@ -135,6 +143,39 @@ def choose_prefill_tiles(model_runner) -> list[dict]:
         tile = att.choose_prefill_tile(hq, hkv, d, k, v, width)
         out.append({"heads": [hq, hkv, d], "tile": tile})
     torch.cuda.empty_cache()
+    return out
+
+
+def choose_tree_tiles(model_runner, block_type=None) -> list[dict]:
+    """For each shape of the model's MoE down projections on this rank under a tree contract (v1): time the
+    grouped tree GEMM's candidate tiles above the decode path on the layer's own weights and install the fastest
+    per rows per expert (``kernels.matmul.choose_tree_tiles``; speed only: every candidate gives ROW_SEG's bits).
+    Nothing where the contract has no tree (width 1) or the flat loop runs. A shape whose timing runs out of GPU
+    memory keeps ROW_SEG, and the manifest says so. Returns what was chosen, for the manifest. ``block_type``: the
+    MoE block's class (SGLang's ``Qwen3MoeSparseMoeBlock``, the seam ``qwen3_moe.MOE_FORWARD`` patches)."""
+    import torch
+    from true_on_policy.kernels import matmul as mm
+    from true_on_policy.kernels.tree_reduce import segments_for
+
+    if block_type is None:
+        from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock as block_type
+    out, seen = [], set()
+    for m in model_runner.model.modules():
+        if not isinstance(m, block_type):
+            continue
+        w2 = m.experts.w2_weight
+        segments = segments_for(m.tp_size, w2.shape[2])
+        if (tuple(w2.shape), segments) in seen:
+            continue
+        seen.add((tuple(w2.shape), segments))
+        try:
+            tiles = mm.choose_tree_tiles(w2, segments)
+        except torch.cuda.OutOfMemoryError as e:
+            out.append({"shape": list(w2.shape), "segments": segments, "error": f"out of GPU memory, ROW_SEG kept: {e}"})
+            continue
+        if tiles:
+            out.append({"shape": list(w2.shape), "segments": segments, "tiles": tiles})
+    torch.cuda.empty_cache()  # the timing's buffers go back before SGLang sizes its own capture
     return out
 
 

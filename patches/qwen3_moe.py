@@ -31,8 +31,9 @@
    ``TRUE_ON_POLICY_MOE_ORDER=columns`` runs those GEMMs' programs (and the tree down projection's) above
    the decode path in the 2-D grid's column order (``kernels.matmul.MOE_COLUMN_ORDER``, the same bits); unset
    or ``grouped``, in groups of M blocks. ``TRUE_ON_POLICY_TREE_TILE=fixed`` gives the tree down projection above
-   the decode path its fixed tile (``kernels.matmul.TREE_FIXED``: ROW_SEG, the same bits); unset or ``rows``, its
-   tiles by the segment's width and the rows per expert (``kernels.matmul.SEG_ROWS``).
+   the decode path its fixed tile (``kernels.matmul.TREE_FIXED``: ROW_SEG, the same bits); unset or ``choose``, the
+   tile timed fastest at start-up for the layer's shape, by the rows per expert (``patches/cuda_graph.py``,
+   ``kernels.matmul.choose_tree_tiles``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ MOE_SILU_MODES = ("separate", "up")
 SEG_TMA_MODES = ("pointer", "tma")
 MOE_TILES_MODES = ("rows", "tokens")
 MOE_ORDER_MODES = ("grouped", "columns")
-TREE_TILE_MODES = ("rows", "fixed")
+TREE_TILE_MODES = ("choose", "fixed")
 _FLAGS = ("compatible_with_fused_kv_buffer", "use_fused_qk_norm_rope")  # read by SGLang; the second turned off
 
 
@@ -91,9 +92,9 @@ moe_order_mode = switch_reader(
     "unset it or set it to 'grouped' (the MoE GEMMs' programs in groups of M blocks, the default) or 'columns' (every "
     "M block of one N tile, then the next)")
 tree_tile_mode = switch_reader(
-    env.TREE_TILE, "rows", TREE_TILE_MODES,
-    "unset it or set it to 'rows' (the tree down projection's tiles above the decode path by the rows per expert, the "
-    "default) or 'fixed' (its fixed tile)")
+    env.TREE_TILE, "choose", TREE_TILE_MODES,
+    "unset it or set it to 'choose' (the tree down projection's tile above the decode path timed at start-up, the "
+    "default) or 'fixed' (its fixed tile, no timing)")
 
 
 def _check_qk_norm(q, k, q_norm, k_norm, head_dim, where) -> None:

@@ -107,10 +107,11 @@ MOE_ORDER = EnvVar(
 
 TREE_TILE = EnvVar(
     "TRUE_ON_POLICY_TREE_TILE",
-    "'rows' or unset gives v1's tree down projection above the decode path its tiles by the segment's width and the "
-    "rows per expert (kernels.matmul.SEG_ROWS, kernels.matmul.seg_prefill_tile); 'fixed' its fixed tile everywhere "
-    "(kernels.matmul.ROW_SEG, 32 rows in 4 warps); any other value is refused when the patches install. Speed only: "
-    "every tile the same bits (tests/gpu/test_kernels_gpu.py checks them)",
+    "'choose' or unset times v1's tree down projection's candidate tiles above the decode path (kernels.matmul."
+    "TREE_CANDIDATES) on each MoE layer shape's own weights at start-up, before the first CUDA-graph capture, and keeps "
+    "the fastest per rows per expert (kernels.matmul.choose_tree_tiles); 'fixed' its fixed tile everywhere "
+    "(kernels.matmul.ROW_SEG, 32 rows in 4 warps), no timing; any other value is refused when the patches install. "
+    "Speed only: every tile the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 
 TEST_KERNEL_LIMIT = EnvVar(

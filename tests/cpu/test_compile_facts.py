@@ -10,8 +10,8 @@
   CPU interpreter would never see it, the GPU's bits would.
 - The MoE's grouped GEMMs compile to the same instructions whatever the order of their programs
   (``matmul.program_tile``, ``MOE_GROUP_M``): a GPU compile of the grouped order, checked without a GPU.
-- The tree down projection's tiles by the rows per expert (``matmul.SEG_ROWS``, ``matmul.seg_prefill_tile``) compile
-  without a spill, within shared memory, the tree's arithmetic as written.
+- The tree down projection's start-up choice's candidates (``matmul.tree_candidates``) compile without a spill,
+  within a block's shared memory, the tree's arithmetic as written.
 """
 
 import json
@@ -86,22 +86,24 @@ def _tree_as_written(kernel, nch, tail):
         assert _source(adds[0][1], waited) == prev, (ir, "the fold's first addition", adds)
 
 
-ROWS_TILES = [(seg, cfg) for seg, table in sorted(mm.SEG_ROWS.items()) for cfg in mm.table_tiles(table)]
+# the start-up choice's candidates at the segments of 8 of h1536e256k6, 30B-A3B, h3072e64k4 and 235B-A22B, by
+# pointer loads; by descriptor too at 235B-A22B's, the widest (the most shared memory)
+CHOICE_TILES = [(seg, cfg, tma) for seg in (64, 96, 128, 192) for cfg in mm.tree_candidates(seg)
+                for tma in ((False, True) if seg == 192 else (False,))]
 
 
-@pytest.mark.parametrize("seg,cfg", ROWS_TILES, ids=[f"seg{s}-{c['BLOCK_M']}x{c['BLOCK_N']}" for s, c in ROWS_TILES])
-@pytest.mark.parametrize("tma", [False, True])
-def test_the_tree_tiles_by_rows_compile_within_shared_memory(compile_facts, seg, cfg, tma):
-    """Every tile of the tree down projection's table above the decode path (``matmul.SEG_ROWS``, the default
-    unless TRUE_ON_POLICY_TREE_TILE=fixed) compiles for sm_90a at its segment's width without a spill, in the
+@pytest.mark.parametrize("seg,cfg,tma", CHOICE_TILES, ids=[f"seg{s}-{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
+                                                           f"{'-tma' if t else ''}" for s, c, t in CHOICE_TILES])
+def test_the_tree_tile_candidates_compile_within_a_block_s_shared_memory(compile_facts, seg, cfg, tma):
+    """Every candidate of the tree down projection's start-up choice (``matmul.tree_candidates``: those whose
+    stages ``seg_tree.fits_block`` admits) compiles for sm_90a at the real segment widths without a spill, in the
     227 KB of shared memory an H100 or H200 block has (128 x 64 at 235B-A22B's 192 columns stages over
     ``seg_tree.SMEM_BUDGET``), in the rollout's order of programs, with the tree's arithmetic as written."""
     from true_on_policy.kernels import seg_tree
 
-    assert seg_tree.fits(seg, cfg["BK"]), (seg, cfg)
     kernel = compile_facts.seg_tree_kernel(cfg, seg, 8, 1, tma, group=mm.MOE_GROUP_M)
     got = compile_facts.facts(kernel)
-    assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= 227 * 1024, got
+    assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= seg_tree.BLOCK_SMEM, got
     assert got["HGMMA" if cfg["BLOCK_M"] >= 64 else "HMMA"] > 0, got
     _tree_as_written(kernel, *seg_tree.chunks_of(seg, cfg["BK"]))
 
@@ -124,8 +126,8 @@ def test_the_grouped_gemms_compile_alike_in_every_order(compile_facts):
     add instructions and the same shared memory, without a spill, whether their programs run in groups of
     MOE_GROUP_M M blocks (``matmul.program_tile``) or in the 2-D grid's column order: the order changes only
     which program computes a tile. Every tile of the rule's tables at the 235B-A22B layer (gate/up, bf16
-    out; the flat down projection, fp32 out) and v1's tree down projection (ROW_SEG, both weight fetches). SEG_ROWS'
-    tiles are not alike: at some segments and orders the compiler unrolls the segment loop (the GPU tier checks
+    out; the flat down projection, fp32 out) and v1's tree down projection (ROW_SEG, both weight fetches). The start-up
+    choice's other candidates are not alike: at some segments and orders the compiler unrolls the segment loop (the GPU tier checks
     their bits in every order: test_program_order_changes_no_bit)."""
 
     forms = [(compile_facts.grouped_tma_kernel, (cfg, 3072, 4096, "bf16")) for cfg in mm.table_tiles(mm.GROUPED_UP_ROWS)]

@@ -198,7 +198,9 @@ for m in (1, 3, 17):
 # the down projection's seg_tree: segments of 64 + 16 columns (BK chunk and tail), a trimmed table
 E, ND, SD = 6, 40, 4
 KD = SD * 80
-mm.SEG_ROWS = {80: mm.SEG_ROWS[192]}  # 235B-A22B's table at these segments: both of its tiles below
+# a start-up choice for these shapes (``choose_tree_tiles`` installs one on a GPU): two candidates, by rows per expert
+for e_ in (E, 1):
+    mm.TREE_CHOSEN[80, ND, e_] = ((1, mm.TREE_CANDIDATES[1]), (None, mm.TREE_CANDIDATES[3]))
 xs = torch.randn(1024, KD, generator=g).bfloat16()  # the down projection's rows: the table's own (<= 7 blocks)
 w2 = (torch.randn(E, ND, KD, generator=g) * 0.05).bfloat16()
 for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
@@ -230,9 +232,9 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
                 got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
                 assert torch.equal(got[used], ref[used]), ("grouped_matmul", decode, seg_tma, fixed, t)
                 assert tma.pop() is seg_tma, ("the weights by TMA exactly when SEG_TMA is on", decode, seg_tma)
-                if not mm.grouped_decode(t, t * k, e):  # above the decode path: SEG_ROWS' tile, ROW_SEG under TREE_FIXED
-                    want = mm.ROW_SEG if fixed else mm.by_rows(mm.SEG_ROWS[KD // SD], mm.expert_groups(t * k, e)[1])
-                    assert cfgs.pop() == want, ("the table's tile unless TREE_FIXED", decode, fixed, t)
+                if not mm.grouped_decode(t, t * k, e):  # above the decode path: the choice's tile, ROW_SEG under TREE_FIXED
+                    want = mm.ROW_SEG if fixed else mm.by_rows(mm.TREE_CHOSEN[KD // SD, ND, e], mm.expert_groups(t * k, e)[1])
+                    assert cfgs.pop() == want, ("the chosen tile unless TREE_FIXED", decode, fixed, t)
     st.launch, mm.INTERPRETED, mm.DECODE_TILES, mm.SEG_TMA, mm.TREE_FIXED, gt.usable = launch, True, False, False, False, usable
 print("interpreted-ok")
 """
@@ -248,13 +250,9 @@ def test_tree_decode_tiles_compute_the_same_bits_interpreted(tmp_path, monkeypat
                 for (_, _, role), cfg, _, _ in tiles(rows, sms):
                     if cfg not in picked[role]:
                         picked[role].append(cfg)
-    for fixed in (False, True):  # the tree down projection's tile above the decode path (TREE_FIXED: ROW_SEG)
-        monkeypatch.setattr(mm, "TREE_FIXED", fixed)
-        for _, (e, k), s, _, (_, _, kd) in cases():
-            for tokens in (512, 2048, 8192):
-                cfg = mm.seg_prefill_tile(kd // s, tokens * k, e)
-                if cfg not in picked["seg_tree"]:
-                    picked["seg_tree"].append(cfg)
+    for cfg in mm.TREE_CANDIDATES:  # the tiles the start-up choice may give the tree above the decode path
+        if cfg not in picked["seg_tree"]:
+            picked["seg_tree"].append(cfg)
     (tmp_path / "tiles.json").write_text(json.dumps(picked))
     (tmp_path / "script.py").write_text(INTERPRETED)
     r = run_py(f"import runpy, sys; sys.argv = ['x', {str(tmp_path / 'tiles.json')!r}]; "

@@ -150,5 +150,5 @@ print('routing-ok')
 def test_routing_patches_compute_the_contract_ops():
     # the stub runners have no model to time decode tiles on: the capture's tile choice has its own
     # test (test_attention_tiles), so this one keeps the fixed tile
-    r = run_py(CODE, {"TRITON_INTERPRET": "1", "TRUE_ON_POLICY_DECODE_TILES": "fixed"})
+    r = run_py(CODE, {"TRITON_INTERPRET": "1", "TRUE_ON_POLICY_DECODE_TILES": "fixed", "TRUE_ON_POLICY_TREE_TILE": "fixed"})
     assert r.returncode == 0 and "routing-ok" in r.stdout, r.stderr[-4000:]

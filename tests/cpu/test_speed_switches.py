@@ -26,7 +26,7 @@ SWITCHES = {
     "TRUE_ON_POLICY_SEG_TMA": ("qwen3_moe", "seg_tma_mode", "pointer", ("pointer", "tma")),
     "TRUE_ON_POLICY_MOE_TILES": ("qwen3_moe", "moe_tiles_mode", "rows", ("rows", "tokens")),
     "TRUE_ON_POLICY_MOE_ORDER": ("qwen3_moe", "moe_order_mode", "grouped", ("grouped", "columns")),
-    "TRUE_ON_POLICY_TREE_TILE": ("qwen3_moe", "tree_tile_mode", "rows", ("rows", "fixed")),
+    "TRUE_ON_POLICY_TREE_TILE": ("qwen3_moe", "tree_tile_mode", "choose", ("choose", "fixed")),
 }
 
 

@@ -595,8 +595,9 @@ SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection
              "k32": dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
              "m32n64": dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "wgmma64": dict(BLOCK_M=64, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
-             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3)}
-# (the last three: matmul.SEG_ROWS' tiles)
+             "wgmma128": dict(BLOCK_M=128, BLOCK_N=64, BK=64, num_warps=8, num_stages=3),
+             "m128n32": dict(BLOCK_M=128, BLOCK_N=32, BK=64, num_warps=8, num_stages=3)}
+# (the last four with "configured": matmul.TREE_CANDIDATES, the tiles the start-up choice times)
 
 
 @pytest.mark.parametrize("tiles", sorted(SEG_TILES))
@@ -613,7 +614,7 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     cfg = SEG_TILES[tiles] or mm.ROW_SEG
     if not st.fits(k // segments, cfg["BK"]):
         pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
-    if not st.smem_ok(k // segments, cfg) and cfg not in mm.table_tiles(mm.SEG_ROWS.get(k // segments, ())):
+    if not st.smem_ok(k // segments, cfg) and cfg not in mm.tree_candidates(k // segments):
         pytest.skip("staged operands exceed shared memory: grouped_matmul runs ROW_FLAT for such segments")
     g = _gen(rows + k + segments)
     x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
@@ -872,8 +873,8 @@ def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
             be, own, hx, real = _down_rows(g, t, e, top_k, kd)
             p = own.shape[0]
             for cfg in mm.candidate_tiles("seg_tree"):  # ROW_SEG first
-                seg = kd // segments  # (SEG_ROWS' tiles run at their widths past smem_ok's budget)
-                if not (st.fits(seg, cfg["BK"]) and (st.smem_ok(seg, cfg) or cfg in mm.table_tiles(mm.SEG_ROWS.get(seg, ())))):
+                seg = kd // segments  # (the start-up choice's candidates run past smem_ok's budget)
+                if not (st.fits(seg, cfg["BK"]) and (st.smem_ok(seg, cfg) or cfg in mm.tree_candidates(seg))):
                     continue
                 for sub in (1, mm.ALIGN // cfg["BLOCK_M"]):
                     count = p if sub == 1 else mm.used_blocks(t * top_k, e) * mm.ALIGN
@@ -972,7 +973,7 @@ ORDER_GROUPS = [0, 1, 4, 8, 16]  # M blocks per group of programs (``matmul.prog
 def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
     """The MoE's grouped GEMMs above the decode path give the same bits in every order of their programs: the
     gate/up (bf16 out) and the flat down projection (fp32 out) by TMA at the rule's tile (``moe_tile``), and
-    v1's 8-segment tree down projection (``seg_tree``, ROW_SEG and every tile of SEG_ROWS at the layer's segment),
+    v1's 8-segment tree down projection (``seg_tree``, ROW_SEG and every candidate of the start-up choice),
     each launched in groups of 1, 4, 8 and 16 M blocks and in the column order, at 512 to 8192 tokens;
     ``grouped_matmul`` with MOE_COLUMN_ORDER off and on gives those bits too."""
     import true_on_policy.kernels.grouped_tma as gt
@@ -1008,7 +1009,7 @@ def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
                           group=grp)[real] for grp in ORDER_GROUPS]
         for grp, out in zip(ORDER_GROUPS[1:], outs[1:], strict=True):
             _same(out, outs[0], f"{geometry} seg_tree tokens={t} group={grp}")
-        for cfg in mm.table_tiles(mm.SEG_ROWS.get(inter // 8, ())):  # v1's tiles by the rows per expert
+        for cfg in mm.tree_candidates(inter // 8)[1:]:  # the start-up choice's other candidates
             bexp = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
             for grp in ORDER_GROUPS:
                 out = st.launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, p, 8, cfg,
@@ -1020,6 +1021,44 @@ def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
             _same(api[real], outs[0], f"{geometry} grouped_matmul(tree) tokens={t} columns={columns}")
     gpu_evidence.append({"test": f"program_order_no_bit_{geometry}", "tokens": [512, 4096, 8192],
                          "groups": ORDER_GROUPS, "bitwise": True})
+
+
+@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+def test_the_tree_tile_choice_keeps_the_bits(geometry, monkeypatch, gpu_evidence):
+    """The start-up choice of v1's tree down projection tile above the decode path (``matmul.choose_tree_tiles``)
+    times every candidate at the geometry's shape and installs one of them per bucket of rows per expert; then
+    ``grouped_matmul`` gives ROW_SEG's bits at 512 to 8192 tokens, under the choice and under TREE_FIXED, and
+    takes the bucket's choice (ROW_SEG under TREE_FIXED)."""
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.seg_tree as st
+    from true_on_policy.kernels.moe import align
+
+    h, _, _, _, e, top_k, inter = DECODE_GEOMETRIES[geometry]
+    g = _gen(h + e + top_k + 2)
+    w2 = _randn(g, e, h, inter, scale=0.03)
+    seg, cands = inter // 8, mm.tree_candidates(inter // 8)
+    monkeypatch.setattr(mm, "TREE_CHOSEN", {})
+    times: dict = {}
+    chosen = mm.choose_tree_tiles(w2, 8, times_out=times)
+    assert set(chosen) == {str(rows) for _, rows in mm.TREE_BUCKETS} and all(c in cands for c in chosen.values())
+    assert all(len(t) == len(cands) and min(t) > 0 for t in times.values()), times
+    for t in (512, 2048, 8192):
+        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+        _, be, _, own = align(ids, 0, e)
+        p, slots = own.shape[0], t * top_k
+        hid = _randn(g, p, inter)
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        bexp = be.repeat_interleave(mm.ALIGN // mm.ROW_SEG["BLOCK_M"])
+        ref = st.launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, p, 8, mm.ROW_SEG)
+        for fixed in (False, True):
+            monkeypatch.setattr(mm, "TREE_FIXED", fixed)
+            want = mm.ROW_SEG if fixed else mm.by_rows(mm.TREE_CHOSEN[seg, h, e], mm.expert_groups(slots, e)[1])
+            assert mm.seg_prefill_tile(seg, h, slots, e) == want, (t, fixed)
+            api = mm.grouped_matmul(hid, w2, own, be, torch.float32, 8, tree=True, tokens=t, slots=slots)
+            _same(api[real], ref[real], f"{geometry} grouped_matmul(tree) tokens={t} fixed={fixed}")
+    gpu_evidence.append({"test": f"tree_tile_choice_{geometry}", "bitwise": True, "times_ms": times,
+                         "chosen": {r: "{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**c)
+                                    for r, c in chosen.items()}})
 
 
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
