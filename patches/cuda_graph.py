@@ -155,8 +155,10 @@ def choose_tree_tiles(model_runner, block_type=None) -> list[dict]:
     MoE block's class (SGLang's ``Qwen3MoeSparseMoeBlock``, the seam ``qwen3_moe.MOE_FORWARD`` patches)."""
     import torch
     from true_on_policy.kernels import matmul as mm
-    from true_on_policy.kernels.tree_reduce import segments_for
+    from true_on_policy.kernels.tree_reduce import segments_for, tree_width
 
+    if tree_width() < 2:  # the flat contract: no tree to time
+        return []
     if block_type is None:
         from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock as block_type
     out, seen = [], set()

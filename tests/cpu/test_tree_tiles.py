@@ -133,6 +133,9 @@ def test_the_patch_times_each_moe_shape_once_and_records_an_out_of_memory(monkey
     assert seen == [((4, 64, 768), 8), ((2, 64, 384), 4)]  # the two layers of one shape timed once; TP 2: 4 segments
     assert got[0] == {"shape": [4, 64, 768], "segments": 8, "tiles": {"32": mm.ROW_SEG}}
     assert got[1]["shape"] == [2, 64, 384] and "out of GPU memory" in got[1]["error"] and "tiles" not in got[1]
+    seen.clear()
+    with set_tree_width(1):  # the flat contract: nothing to time, at any TP
+        assert cuda_graph.choose_tree_tiles(runner, block_type=_Block) == [] and seen == []
 
 
 CAPTURE = FAKE_MODEL_RUNNER + r"""
