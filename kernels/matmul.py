@@ -66,6 +66,7 @@ TREE_CANDIDATES = (ROW_SEG,
                    dict(BLOCK_M=128, BLOCK_N=32, BK=64, num_warps=8, num_stages=3))
 TREE_BUCKETS = ((63, 32), (191, 128), (None, 256))  # (bound on a call's rows per expert, the rows timed for it)
 TREE_CHOSEN: dict[tuple[int, int, int], tuple] = {}  # (segment width, N, experts) -> a by_rows table of the choice
+TREE_TIMING_BYTES = 1 << 30  # the most the timing's activations and fp32 outputs may hold (fewer rows timed above)
 TREE_FIXED = False
 MAX_SEGMENTS = 8
 # Triton's CPU interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers, and its
@@ -644,13 +645,14 @@ def tree_candidates(seg: int) -> list[dict]:
 def time_tree_tiles(w, segments: int, rows: int, cands, rounds: int = 3, reps: int = 3) -> list[float]:
     """Median ms of a CUDA-graph replay of ``reps`` launches of the grouped tree GEMM (``seg_tree``, as
     ``grouped_matmul`` launches it above the decode path) with each tile of ``cands``, over w [E, N, K]'s experts
-    each receiving ``rows`` rows of random activations (``moe.align``'s table), alternated over ``rounds`` rounds
-    (``attention.time_graphs``). CUDA only."""
+    each receiving ``rows`` rows of random activations (``moe.align``'s table; fewer where TREE_TIMING_BYTES would
+    not hold them), alternated over ``rounds`` rounds (``attention.time_graphs``). CUDA only."""
     import torch
     from true_on_policy.kernels import attention, grouped_tma, seg_tree
     from true_on_policy.kernels.moe import align
 
     e, n, k = w.shape
+    rows = max(1, min(rows, TREE_TIMING_BYTES // (e * (2 * k + 4 * n))))
     gen = torch.Generator(device=w.device).manual_seed(0)
     ids = (torch.arange(rows * e, device=w.device, dtype=torch.int32) % e).view(-1, 1)  # ``rows`` rows an expert
     _, be, _, own = align(ids, 0, e)
