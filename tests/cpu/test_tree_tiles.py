@@ -163,3 +163,34 @@ print('ok')
 def test_the_first_graph_capture_chooses_the_tree_tiles_unless_fixed():
     r = run_py(CAPTURE, env_extra={"TRUE_ON_POLICY_TREE_TILE": "fixed"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+TIMING = r"""
+import torch
+from true_on_policy.kernels import attention, matmul as mm
+
+ran = []
+def time_graphs(calls, device, rounds, reps):  # each call once, interpreted; the second candidate "fastest"
+    out = []
+    for i, call in enumerate(calls):
+        call()
+        ran.append(i)
+        out.append(2.0 if i != 1 else 1.0)
+    return out
+attention.time_graphs = time_graphs
+w = (torch.randn(4, 64, 128, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+mm.INTERPRETED = False  # the dispatch as on a GPU; the launches stay interpreted
+chosen = mm.choose_tree_tiles(w, 2)
+cands = mm.tree_candidates(64)
+assert ran == list(range(len(cands))) * len(mm.TREE_BUCKETS), ran
+assert chosen == {str(rows): cands[1] for _, rows in mm.TREE_BUCKETS}, chosen
+assert mm.seg_prefill_tile(64, 64, 160, 4) == cands[1]
+print('ok')
+"""
+
+
+def test_the_timing_launches_every_candidate_as_the_rollout_does_interpreted():
+    """``time_tree_tiles`` builds the table the rollout builds (``moe.align``) and launches every candidate at each
+    bucket's rows through ``seg_tree.launch`` (interpreted here; the CUDA-graph timing is the GPU's)."""
+    r = run_py(TIMING, env_extra={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
