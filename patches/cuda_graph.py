@@ -46,6 +46,13 @@ def _required() -> list[str]:
             pipeline.MODEL_FORWARD]
 
 
+def _timed(name: str, choose) -> None:
+    """Records a start-up choice under ``name`` and its seconds (what it adds to start-up) under ``name``_s."""
+    t0 = time.perf_counter()
+    CAPTURED[name] = choose()
+    CAPTURED[name + "_s"] = round(time.perf_counter() - t0, 3)
+
+
 def _make_capture(original, target=CAPTURE):
     key, attr = _SIZES[target]
 
@@ -56,17 +63,11 @@ def _make_capture(original, target=CAPTURE):
             raise PatchError(f"CUDA-graph capture before the true-on-policy patches: missing {missing}")
         CAPTURED[key] = sorted(int(b) for b in getattr(self, attr, None) or [])
         if target == CAPTURE and decode_tiles_mode() == "choose":
-            t0 = time.perf_counter()
-            CAPTURED["decode_tiles"] = choose_decode_tiles(self.model_runner, CAPTURED[key])
-            CAPTURED["decode_tiles_s"] = round(time.perf_counter() - t0, 3)  # what the choice adds to start-up
+            _timed("decode_tiles", lambda: choose_decode_tiles(self.model_runner, CAPTURED[key]))
         if prefill_loop_mode() == "choose" and "prefill_tiles" not in CAPTURED:  # before the first capture of either
-            t0 = time.perf_counter()
-            CAPTURED["prefill_tiles"] = choose_prefill_tiles(self.model_runner)
-            CAPTURED["prefill_tiles_s"] = round(time.perf_counter() - t0, 3)
+            _timed("prefill_tiles", lambda: choose_prefill_tiles(self.model_runner))
         if tree_tile_mode() == "choose" and "tree_tiles" not in CAPTURED:  # before the first capture of either
-            t0 = time.perf_counter()
-            CAPTURED["tree_tiles"] = choose_tree_tiles(self.model_runner)
-            CAPTURED["tree_tiles_s"] = round(time.perf_counter() - t0, 3)
+            _timed("tree_tiles", lambda: choose_tree_tiles(self.model_runner))
         result = original(self, *args, **kwargs)
         CAPTURED["captured"] = True
         if target == PREFILL_CAPTURE:
