@@ -150,10 +150,21 @@ def pytest_testnodedown(node, error):
         _TIER.setdefault("parts", []).append(json.loads(part))
 
 
+def tier_provenance(parts: list[dict], argv=None) -> dict | None:
+    """Under pytest-xdist, the first worker's provenance (its GPU, versions and source) with the
+    controller's command line: a worker's own is ``python -c``, which names no test."""
+    if not parts:
+        return None
+    from true_on_policy.harness.provenance import command
+
+    return {**parts[0]["provenance"], "command": command(argv)}
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Write the GPU tier's file. Under pytest-xdist (``-n N``: the kernel groups compile in
     parallel) each worker hands its records and provenance to the controller, which sees every
-    test's outcome and writes the one file (records in the order the workers finished, provenance of the first)."""
+    test's outcome and writes the one file (records in the order the workers finished, provenance of the first
+    with the controller's command)."""
     if hasattr(session.config, "workerinput"):
         if _TIER["records"]:
             session.config.workeroutput["true_on_policy_gpu_tier"] = json.dumps(
@@ -161,7 +172,7 @@ def pytest_sessionfinish(session, exitstatus):
         return
     parts = _TIER.get("parts", [])
     records = _TIER["records"] or [r for p in parts for r in p["records"]]
-    prov = _TIER["provenance"] or (parts[0]["provenance"] if parts else None)
+    prov = _TIER["provenance"] or tier_provenance(parts)
     if not records:
         return
     from true_on_policy import env

@@ -341,3 +341,30 @@ def test_the_gpu_tier_file_records_every_test_outcome_not_only_the_records(tmp_p
     assert list(t["not_passed"]) == ["test_tier.py::test_fails"]
     assert t["skip_reasons"] == {"no such thing here": 1}
     assert doc["provenance"]["command"][-1].endswith("test_tier.py")  # the provenance block is the session's
+
+
+def test_the_gpu_tier_file_under_xdist_names_the_controllers_command(tmp_path):
+    """Under pytest-xdist the controller writes the file from its workers' parts: the records and the
+    first worker's provenance (its GPU, versions and source), but the controller's command line, since a
+    worker's own is ``python -c`` and names no test. The worker's handoff is played by a test that calls
+    the controller's hook with a worker's output, as xdist does when a node goes down."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    worker = {"records": [{"test": "w", "bitwise": True}],
+              "provenance": {"command": ["python3", "-c"], "gpu": {"name": "a worker's GPU", "count": 1},
+                             "versions": {"torch": "w"}, "git": {"commit": None}, "started_at": "t", "host": "h"}}
+    (tmp_path / "test_tier.py").write_text(
+        "import json, sys, types\n\n"
+        "def test_a_worker_goes_down():\n"
+        f"    node = types.SimpleNamespace(workeroutput={{'true_on_policy_gpu_tier': json.dumps({worker!r})}})\n"
+        "    sys.modules['conftest'].pytest_testnodedown(node, None)\n")
+    out = tmp_path / "ev"
+    env = dict(os.environ, TRUE_ON_POLICY_EVIDENCE_DIR=str(out), TRUE_ON_POLICY_GIT_COMMIT="0" * 40)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        str(tmp_path / "test_tier.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((out / "gpu-tier.json").read_text())
+    assert doc["records"] == worker["records"]
+    prov = doc["provenance"]
+    assert prov["gpu"] == worker["provenance"]["gpu"] and prov["versions"] == worker["provenance"]["versions"]
+    assert prov["command"] != ["python3", "-c"] and prov["command"][-1].endswith("test_tier.py"), prov["command"]

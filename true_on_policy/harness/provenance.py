@@ -47,10 +47,14 @@ def checkout_root() -> Path:
     return Path(__file__).resolve().parent.parent.parent  # true_on_policy/harness/provenance.py
 
 
+def command(argv=None) -> list[str]:
+    """``argv``, or this process's command line, as recorded."""
+    return [str(a) for a in (list(argv) if argv is not None else [os.path.basename(sys.executable), *sys.argv])]
+
+
 def provenance(argv=None) -> dict:
     """Taken when a run starts; ``argv`` defaults to this process's command line."""
-    command = list(argv) if argv is not None else [os.path.basename(sys.executable), *sys.argv]
-    return {"command": [str(a) for a in command], "versions": versions(), "gpu": gpu(), "git": git_state(),
+    return {"command": command(argv), "versions": versions(), "gpu": gpu(), "git": git_state(),
             "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "host": socket.gethostname()}
 
