@@ -1,0 +1,51 @@
+"""tests/gpu/detach.sh, with a stand-in for regenerate_evidence.sh: the jobs run detached in a copy of the
+checkout, one after another, each with what is left before the deadline less its reserve as TIME_BUDGET and its own
+variables; a job without a minute skipped; the watch brings back only the evidence written since the start (whole
+folders kept), the jobs' log and each job's log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+import time
+
+from helpers import ROOT
+
+FAKE = """#!/usr/bin/env bash
+mkdir -p evidence/tier-$1
+echo "{\\"group\\": \\"$1\\", \\"budget\\": $TIME_BUDGET, \\"var\\": \\"${VAR:-}\\", \\"commit\\": \\"$TRUE_ON_POLICY_GIT_COMMIT\\"}" \\
+  > evidence/tier-$1/out.json
+echo "ran $1"
+"""
+
+
+def test_detached_jobs_run_in_order_under_the_deadline_and_their_new_evidence_comes_back(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tests" / "gpu").mkdir(parents=True)
+    (repo / "evidence").mkdir()
+    (repo / "evidence" / "old.json").write_text("{}")
+    (repo / "tests" / "gpu" / "detach.sh").write_text((ROOT / "tests" / "gpu" / "detach.sh").read_text())
+    (repo / "fake.sh").write_text(FAKE)
+    (tmp_path / "jobs.txt").write_text("one g1 RESERVE=100 VAR='a b'\n\ntwo g2\nthree g3 RESERVE=100000\n")
+    now = int(time.time())
+    env = dict(os.environ, MODE="start", JOBS_FILE=str(tmp_path / "jobs.txt"), DEADLINE=str(now + 1000),
+               END_AT=str(now + 60), OUT=str(tmp_path / "out"), W=str(tmp_path / "w"), REGEN="fake.sh",
+               TRUE_ON_POLICY_GIT_COMMIT="c" * 40)
+    r = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ALL-DONE" in r.stdout, r.stdout
+    ev = tmp_path / "out" / "ev"
+    one = json.loads((ev / "evidence" / "tier-g1" / "out.json").read_text())
+    two = json.loads((ev / "evidence" / "tier-g2" / "out.json").read_text())
+    assert one["var"] == "a b" and two["var"] == "" and one["commit"] == "c" * 40
+    assert 800 <= one["budget"] <= 900 and 900 <= two["budget"] <= 1000, (one, two)
+    assert not (ev / "evidence" / "tier-g3").exists() and not (ev / "evidence" / "old.json").exists()
+    with tarfile.open(ev / "new-evidence.tgz") as t:
+        assert sorted(t.getnames()) == ["evidence/tier-g1/out.json", "evidence/tier-g2/out.json"]
+    log = (ev / "jobs.log").read_text()
+    assert "one rc=0" in log and "two rc=0" in log and "three skipped" in log, log
+    assert log.index("one start") < log.index("two start"), log
+    assert (ev / "one.log").read_text().strip() == "ran g1"
+    assert not (tmp_path / "w" / ".git").exists() and (repo / "evidence" / "old.json").exists()
