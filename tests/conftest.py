@@ -150,14 +150,14 @@ def pytest_testnodedown(node, error):
         _TIER.setdefault("parts", []).append(json.loads(part))
 
 
-def tier_provenance(parts: list[dict], argv=None) -> dict | None:
+def tier_provenance(parts: list[dict]) -> dict | None:
     """Under pytest-xdist, the first worker's provenance (its GPU, versions and source) with the
     controller's command line: a worker's own is ``python -c``, which names no test."""
     if not parts:
         return None
     from true_on_policy.harness.provenance import command
 
-    return {**parts[0]["provenance"], "command": command(argv)}
+    return {**parts[0]["provenance"], "command": command()}
 
 
 def pytest_sessionfinish(session, exitstatus):
