@@ -57,7 +57,10 @@ ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
 # (benchmarks/gemm_sweep.py --gemms down, evidence/bench-tree-down-*.json: 32 x 64 to 128 x 64 at 235B-A22B's
 # 192-column segments, 64 x 64 at 30B-A3B's 96), so no constant serves every Qwen3-MoE shape. A candidate runs where
 # its stages fit the block's shared memory (``seg_tree.fits_block``: 128 x 64's three stages of a 192-column segment
-# take 216 KB, over ``seg_tree.SMEM_BUDGET``). ROW_SEG where nothing was timed (CUDA graphs off) and under TREE_FIXED.
+# take 216 KB, over ``seg_tree.SMEM_BUDGET``), at the most stages up to its own, and at least 2, that fit
+# (``staged``). ROW_SEG where nothing was timed (CUDA graphs off) and under TREE_FIXED. Where a segment is too wide
+# for ROW_SEG's own stages (``seg_path`` false: Coder-480B-A35B's 2560 / 8 = 320 columns), the flat loop runs unless
+# the choice timed a candidate faster than it there (``wide_prefill_tile``).
 # Every candidate computes ROW_SEG's bits (GPU tier: test_seg_tree_equals_flat, test_program_order_changes_no_bit).
 TREE_CANDIDATES = (ROW_SEG,
                    dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
@@ -624,6 +627,35 @@ def seg_prefill_tile(seg: int, n: int, slots: int | None, experts: int) -> dict:
     return ROW_SEG if table is None else by_rows(table, expert_groups(slots, experts)[1])
 
 
+def wide_prefill_tile(k: int, segments: int, n: int, slots: int | None, experts: int) -> dict | None:
+    """Where the grouped tree GEMM's segments are too wide for ROW_SEG's stages (``seg_path`` false), above the decode
+    path: the ``seg_tree`` tile the start-up choice timed faster than the flat loop for this shape at the rows an
+    expert in use receives; None (the flat loop, ``_launch``) where the flat loop was fastest, where nothing was
+    timed for the shape, without slots and under TREE_FIXED. A speed choice: the same bits either way."""
+    if TREE_FIXED or slots is None or segments < 2 or k % segments:
+        return None
+    table = TREE_CHOSEN.get((k // segments, n, experts))
+    cfg = None if table is None else by_rows(table, expert_groups(slots, experts)[1])
+    return cfg if cfg is not None and is_seg_tile(cfg) else None
+
+
+def is_seg_tile(cfg: dict) -> bool:
+    """A ``seg_tree`` tile (chunks of BK), not the flat loop's (ROW_FLAT, ROW: BLOCK_K)."""
+    return "BK" in cfg
+
+
+def staged(seg: int, cfg: dict) -> dict | None:
+    """``cfg`` at the most stages, up to its own and at least 2, whose operands fit a block's shared memory at
+    segments of ``seg`` columns (``seg_tree.fits_block``); ``cfg`` itself where its own fit; None where 2 do not."""
+    from true_on_policy.kernels import seg_tree
+
+    for stages in range(cfg["num_stages"], 1, -1):
+        c = cfg if stages == cfg["num_stages"] else dict(cfg, num_stages=stages)
+        if seg_tree.fits_block(seg, c):
+            return c
+    return None
+
+
 def seg_path(k: int, segments: int) -> bool:
     """Whether the grouped tree GEMM over a K of ``k`` in ``segments`` segments runs ``seg_tree`` (the segments as
     the pipelined loop): on a GPU, where the segments split into ROW_SEG's chunks and its stages fit
@@ -635,16 +667,31 @@ def seg_path(k: int, segments: int) -> bool:
 
 
 def tree_candidates(seg: int) -> list[dict]:
-    """TREE_CANDIDATES whose chunks split a ``seg``-column segment and whose stages fit a block's shared memory
-    (``seg_tree.fits_block``), ROW_SEG first."""
+    """TREE_CANDIDATES whose chunks split a ``seg``-column segment, each at the most stages that fit a block's
+    shared memory (``staged``; left out where 2 do not), ROW_SEG's first."""
     from true_on_policy.kernels import seg_tree
 
-    return [c for c in TREE_CANDIDATES if seg_tree.fits(seg, c["BK"]) and seg_tree.fits_block(seg, c)]
+    out = []
+    for c in TREE_CANDIDATES:
+        s = staged(seg, c) if seg_tree.fits(seg, c["BK"]) else None
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+def wide_candidates(k: int, segments: int) -> list[dict]:
+    """What the start-up choice times where the segments are too wide for ROW_SEG's stages: the flat loop's tile
+    (``_tiles``: what runs there without a choice) first, then ``tree_candidates``; [] where it does not apply (the
+    segments fit ROW_SEG, do not divide K, or no candidate fits, or the interpreter or GROUPED_SEG off)."""
+    if not GROUPED_SEG or INTERPRETED or segments < 2 or k % segments or seg_path(k, segments):
+        return []
+    cands = tree_candidates(k // segments)
+    return [_tiles(segments, True, k), *cands] if cands else []
 
 
 def time_tree_tiles(w, segments: int, rows: int, cands, rounds: int = 3, reps: int = 3) -> list[float]:
-    """Median ms of a CUDA-graph replay of ``reps`` launches of the grouped tree GEMM (``seg_tree``, as
-    ``grouped_matmul`` launches it above the decode path) with each tile of ``cands``, over w [E, N, K]'s experts
+    """Median ms of a CUDA-graph replay of ``reps`` launches of the grouped tree GEMM (``seg_tree``, or the flat
+    loop for its tile, as ``grouped_matmul`` launches them above the decode path) with each tile of ``cands``, over w [E, N, K]'s experts
     each receiving ``rows`` rows of random activations (``moe.align``'s table; fewer where TREE_TIMING_BYTES would
     not hold them), alternated over ``rounds`` rounds (``attention.time_graphs``). CUDA only."""
     import torch
@@ -662,6 +709,8 @@ def time_tree_tiles(w, segments: int, rows: int, cands, rounds: int = 3, reps: i
 
     def call(cfg):
         bexp = be.repeat_interleave(ALIGN // cfg["BLOCK_M"])
+        if not is_seg_tile(cfg):  # the flat loop, as grouped_matmul launches it where the segments are wide
+            return lambda: _launch(h, w, out, own, bexp, own.shape[0], segments, cfg)
         return lambda: seg_tree.launch(h, w, out, own, bexp, own.shape[0], segments, cfg, tma=tma, group=group)
     return attention.time_graphs([call(c) for c in cands], w.device, rounds, reps)
 
@@ -671,16 +720,19 @@ def choose_tree_tiles(w, segments: int, rounds: int = 3, reps: int = 3, timer=No
     """Time ``tree_candidates`` for the grouped tree GEMM over w [E, N, K] in ``segments`` segments at each of
     TREE_BUCKETS' rows per expert (``timer(w, segments, rows, cands)``, default ``time_tree_tiles``), keep the
     fastest of each bucket (``attention.pick_tile``: a candidate replaces ROW_SEG only when faster by its margin),
-    install the choice for the shape (TREE_CHOSEN) and return {rows timed: tile}; nothing where ``seg_path`` does
-    not hold (the flat loop runs). Speed only: every candidate gives ROW_SEG's bits. ``times_out`` (optional)
-    receives {rows: [ms per candidate]}. Call it outside CUDA-graph capture."""
+    install the choice for the shape (TREE_CHOSEN) and return {rows timed: tile}. Where the segments are too wide
+    for ROW_SEG's stages, the flat loop is the first candidate, the one to beat (``wide_candidates``). Nothing
+    where neither applies. Speed only: every candidate gives ROW_SEG's bits. ``times_out`` (optional) receives
+    {rows: [ms per candidate]}. Call it outside CUDA-graph capture."""
     from true_on_policy.kernels import attention
 
     e, n, k = w.shape
-    if segments < 2 or not seg_path(k, segments):
+    if segments < 2:
+        return {}
+    cands = tree_candidates(k // segments) if seg_path(k, segments) else wide_candidates(k, segments)
+    if not cands:
         return {}
     seg, timer = k // segments, timer or time_tree_tiles
-    cands = tree_candidates(seg)
     table, chosen = [], {}
     for bound, rows in TREE_BUCKETS:
         med = timer(w, segments, rows, cands)
@@ -699,8 +751,8 @@ def candidate_tiles(role: str) -> list[dict]:
     tree GEMM of TREE_ROLES), for any geometry, row count and DECODE_TILES: what the GPU tier checks
     bit for bit ("split": each with 1, 2 and 4 segments per plane where they divide the segments)."""
     if role in TREE_ROLES:
-        fixed = {"split": [ROW], "tree": [ROW_FLAT, ROW],
-                 "seg_tree": list(TREE_CANDIDATES)}[role]
+        fixed = {"split": [ROW], "tree": [ROW_FLAT, ROW],  # seg_tree: the choice's candidates at 3 and 2 stages
+                 "seg_tree": [*TREE_CANDIDATES, *(dict(c, num_stages=2) for c in TREE_CANDIDATES)]}[role]
         grids = {"split": [SPLIT_GRID], "tree": [FLAT_GRID, SPLIT_GRID], "seg_tree": [SEG_GRID]}[role]
         out = list(fixed)
         for c in (c for g in grids for c in g.values()):
@@ -1049,6 +1101,9 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
             count, subtiles = min(count, used_blocks(slots, w.shape[0]) * ALIGN), ALIGN // cfg["BLOCK_M"]
         else:
             cfg, group = seg_prefill_tile(k // segments, w.shape[1], slots, w.shape[0]), order
+    elif cfg is not COLUMN and not decode and not INTERPRETED and (
+            wide := wide_prefill_tile(k, segments, w.shape[1], slots, w.shape[0])) is not None:
+        seg, cfg, group = True, wide, order  # segments too wide for ROW_SEG's stages: the tile timed faster
     per = ALIGN // (cfg["BLOCK_M"] * subtiles)
     if per > 1:
         block_expert = block_expert[:, None].expand(-1, per).reshape(-1)

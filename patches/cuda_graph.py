@@ -150,8 +150,9 @@ def choose_prefill_tiles(model_runner) -> list[dict]:
 def choose_tree_tiles(model_runner, block_type=None) -> list[dict]:
     """For each shape of the model's MoE down projections on this rank under a tree contract (v1): time the
     grouped tree GEMM's candidate tiles above the decode path on the layer's own weights and install the fastest
-    per rows per expert (``kernels.matmul.choose_tree_tiles``; speed only: every candidate gives ROW_SEG's bits).
-    Nothing where the contract has no tree (width 1) or the flat loop runs. A shape whose timing runs out of GPU
+    per rows per expert (``kernels.matmul.choose_tree_tiles``; speed only: every candidate gives ROW_SEG's bits),
+    where the segments are too wide for ROW_SEG's stages against the flat loop that runs there. Nothing where the
+    contract has no tree (width 1) or no candidate fits. A shape whose timing runs out of GPU
     memory keeps ROW_SEG, and the manifest says so. Returns what was chosen, for the manifest. ``block_type``: the
     MoE block's class (SGLang's ``Qwen3MoeSparseMoeBlock``, the seam ``qwen3_moe.MOE_FORWARD`` patches)."""
     import torch

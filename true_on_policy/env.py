@@ -109,8 +109,9 @@ TREE_TILE = EnvVar(
     "TRUE_ON_POLICY_TREE_TILE",
     "'choose' or unset times v1's tree down projection's candidate tiles above the decode path (kernels.matmul."
     "TREE_CANDIDATES) on each MoE layer shape's own weights at start-up, before the first CUDA-graph capture, and keeps "
-    "the fastest per rows per expert (kernels.matmul.choose_tree_tiles); 'fixed' its fixed tile everywhere "
-    "(kernels.matmul.ROW_SEG, 32 rows in 4 warps), no timing; any other value is refused when the patches install. "
+    "the fastest per rows per expert (kernels.matmul.choose_tree_tiles; where a segment is too wide for ROW_SEG's "
+    "stages, against the flat loop that runs there); 'fixed' its fixed tile everywhere (kernels.matmul.ROW_SEG, 32 "
+    "rows in 4 warps, or the flat loop), no timing; any other value is refused when the patches install. "
     "Speed only: every tile the same bits (tests/gpu/test_kernels_gpu.py checks them)",
 )
 

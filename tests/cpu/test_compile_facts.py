@@ -86,10 +86,11 @@ def _tree_as_written(kernel, nch, tail):
         assert _source(adds[0][1], waited) == prev, (ir, "the fold's first addition", adds)
 
 
-# the start-up choice's candidates at the segments of 8 of h1536e256k6, 30B-A3B, h3072e64k4 and 235B-A22B, by
-# pointer loads; by descriptor too at 235B-A22B's, the widest (the most shared memory)
-CHOICE_TILES = [(seg, cfg, tma) for seg in (64, 96, 128, 192) for cfg in mm.tree_candidates(seg)
-                for tma in ((False, True) if seg == 192 else (False,))]
+# the start-up choice's candidates at the segments of 8 of h1536e256k6, 30B-A3B, h3072e64k4, 235B-A22B and
+# Coder-480B-A35B (at the stages that fit), and at 2048 / 8, by pointer loads; by descriptor too at 235B-A22B's and
+# Coder-480B-A35B's, the most shared memory
+CHOICE_TILES = [(seg, cfg, tma) for seg in (64, 96, 128, 192, 256, 320) for cfg in mm.tree_candidates(seg)
+                for tma in ((False, True) if seg in (192, 320) else (False,))]
 
 
 @pytest.mark.parametrize("seg,cfg,tma", CHOICE_TILES, ids=[f"seg{s}-{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
@@ -98,7 +99,8 @@ def test_the_tree_tile_candidates_compile_within_a_block_s_shared_memory(compile
     """Every candidate of the tree down projection's start-up choice (``matmul.tree_candidates``: those whose
     stages ``seg_tree.fits_block`` admits) compiles for sm_90a at the real segment widths without a spill, in the
     227 KB of shared memory an H100 or H200 block has (128 x 64 at 235B-A22B's 192 columns stages over
-    ``seg_tree.SMEM_BUDGET``), in the rollout's order of programs, with the tree's arithmetic as written."""
+    ``seg_tree.SMEM_BUDGET``; at 320 columns ROW_SEG's 2 stages take 200 KB), in the rollout's order of programs,
+    with the tree's arithmetic as written."""
     from true_on_policy.kernels import seg_tree
 
     kernel = compile_facts.seg_tree_kernel(cfg, seg, 8, 1, tma, group=mm.MOE_GROUP_M)

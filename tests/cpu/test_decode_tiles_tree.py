@@ -203,6 +203,7 @@ for e_ in (E, 1):
     mm.TREE_CHOSEN[80, ND, e_] = ((1, mm.TREE_CANDIDATES[1]), (None, mm.TREE_CANDIDATES[3]))
 xs = torch.randn(1024, KD, generator=g).bfloat16()  # the down projection's rows: the table's own (<= 7 blocks)
 w2 = (torch.randn(E, ND, KD, generator=g) * 0.05).bfloat16()
+wide_seen = []
 for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     _, be, _, own = align(ids, 0, e)
@@ -235,7 +236,37 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
                 if not mm.grouped_decode(t, t * k, e):  # above the decode path: the choice's tile, ROW_SEG under TREE_FIXED
                     want = mm.ROW_SEG if fixed else mm.by_rows(mm.TREE_CHOSEN[KD // SD, ND, e], mm.expert_groups(t * k, e)[1])
                     assert cfgs.pop() == want, ("the chosen tile unless TREE_FIXED", decode, fixed, t)
+    # where the segments are too wide for ROW_SEG's stages (``seg_path`` false, as at Coder-480B-A35B's 320 columns):
+    # the flat loop, unless the choice timed a seg_tree tile faster than it at the call's rows per expert
+    path, flat_launch, launched = mm.seg_path, mm._launch, []
+
+    def flat(*a, **kw):  # the flat loop with the interpreter's fp64 stand-in, as the dispatch decides on a GPU
+        launched.append("flat")
+        mm.INTERPRETED = True
+        try:
+            return flat_launch(*a, **kw)
+        finally:
+            mm.INTERPRETED = False
+    mm.seg_path, mm._launch, mm.DECODE_TILES = (lambda k, s: False), flat, True
+    st.launch = lambda *a, **kw: launched.append(a[7]) or launch(*a, **dict(kw, dot_f32=True))
+    base = mm._tiles(SD, True, KD)  # the flat loop's tile
+    mm.TREE_CHOSEN[80, ND, e] = ((1, base), (None, mm.TREE_CANDIDATES[2]))
+    # the flat loop's own result: the interpreter's fp64 stand-in rounds once per dot, so its chunks (ROW's masked
+    # 64 columns against seg_tree's 64 and a 16-column tail) round apart; on a GPU they give the same bits (GPU tier)
+    fref = flat(xs, we, torch.full((p, ND), float("nan")), own, be.repeat_interleave(mm.ALIGN // base["BLOCK_M"]), p, SD,
+                base)
+    launched.clear()
+    for fixed in (False, True):
+        mm.TREE_FIXED = fixed
+        got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
+        above = not mm.grouped_decode(t, t * k, e) and mm.expert_groups(t * k, e)[1] > 1
+        want = mm.TREE_CANDIDATES[2] if above and not fixed else "flat"
+        assert launched.pop() == want and not launched, ("wide segments: the tile timed faster", fixed, t, want)
+        assert torch.equal(got[used], (fref if want == "flat" else ref)[used]), ("wide segments", fixed, t)
+        wide_seen.append("flat" if want == "flat" else "seg_tree")
+    mm.seg_path, mm._launch = path, flat_launch
     st.launch, mm.INTERPRETED, mm.DECODE_TILES, mm.SEG_TMA, mm.TREE_FIXED, gt.usable = launch, True, False, False, False, usable
+assert set(wide_seen) == {"flat", "seg_tree"}, wide_seen  # both outcomes of the wide dispatch ran
 print("interpreted-ok")
 """
 
@@ -250,8 +281,8 @@ def test_tree_decode_tiles_compute_the_same_bits_interpreted(tmp_path, monkeypat
                 for (_, _, role), cfg, _, _ in tiles(rows, sms):
                     if cfg not in picked[role]:
                         picked[role].append(cfg)
-    for cfg in mm.TREE_CANDIDATES:  # the tiles the start-up choice may give the tree above the decode path
-        if cfg not in picked["seg_tree"]:
+    for cfg in mm.candidate_tiles("seg_tree")[:2 * len(mm.TREE_CANDIDATES)]:  # what the start-up choice may give
+        if cfg not in picked["seg_tree"]:  # the tree above the decode path, at 3 stages and at 2
             picked["seg_tree"].append(cfg)
     (tmp_path / "tiles.json").write_text(json.dumps(picked))
     (tmp_path / "script.py").write_text(INTERPRETED)

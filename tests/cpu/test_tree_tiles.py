@@ -1,7 +1,8 @@
 """v1's tree down projection above the decode path takes the tile timed fastest at start-up for its layer's shape
 (``kernels.matmul.choose_tree_tiles``, run by ``patches/cuda_graph.py`` before the first CUDA-graph capture unless
 ``TRUE_ON_POLICY_TREE_TILE=fixed``), by the rows per expert (``seg_prefill_tile``); ROW_SEG where nothing was timed,
-without slots, and under TREE_FIXED. The timing itself runs on the GPU (tests/gpu/test_kernels_gpu.py:
+without slots, and under TREE_FIXED. Where a segment is too wide for ROW_SEG's stages, each candidate at the most
+stages that fit, against the flat loop that runs there (``wide_prefill_tile``). The timing itself runs on the GPU (tests/gpu/test_kernels_gpu.py:
 test_the_tree_tile_choice_keeps_the_bits, which also checks the bits); here a timer stands in for it. The candidates
 hold every committed sweep's fastest tile, so the choice can reach it."""
 
@@ -16,6 +17,7 @@ from true_on_policy.patches import cuda_graph
 
 SWEEPS = ["bench-tree-down-a22b_h100.json", "bench-tree-down-a3b48.json"]  # benchmarks/gemm_sweep.py --gemms down
 WIDTHS = [64, 96, 128, 192]  # the segments of 8 of h1536e256k6, 30B-A3B, h3072e64k4 and 235B-A22B
+WIDE = [256, 320, 384]  # too wide for ROW_SEG's 3 stages: 2048 / 8, Coder-480B-A35B's 2560 / 8, 30B-A3B's 768 / 2
 
 
 @pytest.fixture
@@ -41,6 +43,20 @@ def test_the_candidates_split_the_segment_fit_a_block_and_start_with_row_seg(seg
     assert cands[0] is mm.ROW_SEG and len(cands) == len(mm.TREE_CANDIDATES)
     assert all(seg_tree.fits(seg, c["BK"]) and seg_tree.fits_block(seg, c) for c in cands)
     assert all(c in mm.candidate_tiles("seg_tree") and mm.ALIGN % c["BLOCK_M"] == 0 for c in cands)
+
+
+@pytest.mark.parametrize("seg", WIDE)
+def test_where_a_segment_is_wide_each_candidate_takes_the_most_stages_that_fit(seg):
+    cands = mm.tree_candidates(seg)
+    assert cands and not seg_tree.smem_ok(seg, mm.ROW_SEG)
+    for c in cands:
+        own = next(t for t in mm.TREE_CANDIDATES if dict(t, num_stages=c["num_stages"]) == c)
+        assert seg_tree.fits(seg, c["BK"]) and seg_tree.fits_block(seg, c) and 2 <= c["num_stages"] <= own["num_stages"]
+        assert c["num_stages"] == own["num_stages"] or not seg_tree.fits_block(seg, dict(c, num_stages=c["num_stages"] + 1))
+        assert c in mm.candidate_tiles("seg_tree") and mm.ALIGN % c["BLOCK_M"] == 0
+    left_out = [t for t in mm.TREE_CANDIDATES if all(dict(t, num_stages=c["num_stages"]) != c for c in cands)]
+    assert all(not seg_tree.fits_block(seg, dict(t, num_stages=2)) for t in left_out), left_out
+    assert mm.tree_candidates(640) == []  # not even 2 stages of any fit
 
 
 def test_a_candidate_whose_stages_overfill_a_block_is_left_out():
@@ -74,7 +90,31 @@ def test_row_seg_stays_unless_a_candidate_beats_it_by_the_margin(on_gpu):
     assert set(map(id, mm.choose_tree_tiles(w, 8, timer=timer).values())) == {id(mm.ROW_SEG)}
 
 
-@pytest.mark.parametrize("k,segments", [(2560, 8), (768, 1), (770, 8)])
+def test_where_a_segment_is_wide_the_choice_times_the_flat_loop_first_and_keeps_it_unless_beaten(on_gpu, monkeypatch):
+    w = torch.empty(160, 6144, 2560)  # Coder-480B-A35B's down projection, 8 segments of 320
+    flat, cands = mm._tiles(8, True, 2560), mm.tree_candidates(320)
+    calls = []
+    chosen = mm.choose_tree_tiles(w, 8, timer=_timer({128: cands[2], 256: cands[1]}, calls))
+    assert all(c[3] == [flat, *cands] for c in calls) and [c[2] for c in calls] == [r for _, r in mm.TREE_BUCKETS]
+    assert chosen == {"32": flat, "128": cands[2], "256": cands[1]}
+    assert mm.wide_prefill_tile(2560, 8, 6144, 512 * 8, 160) is None  # 25.6 rows per expert: the flat loop's bucket
+    assert mm.wide_prefill_tile(2560, 8, 6144, 2048 * 8, 160) == cands[2]
+    assert mm.wide_prefill_tile(2560, 8, 6144, 8192 * 8, 160) == cands[1]
+    assert mm.wide_prefill_tile(2560, 8, 6144, None, 160) is None  # no slots
+    assert mm.wide_prefill_tile(2560, 8, 4096, 8192 * 8, 160) is None  # another shape: nothing timed for it
+    monkeypatch.setattr(mm, "TREE_FIXED", True)
+    assert mm.wide_prefill_tile(2560, 8, 6144, 8192 * 8, 160) is None
+
+
+def test_where_a_segment_is_wide_the_flat_loop_stays_unless_beaten_by_the_margin(on_gpu):
+    def timer(w, segments, rows, cands):
+        return [1.0] + [1.0 - attention.CHOICE_MARGIN / 2] * (len(cands) - 1)
+    chosen = mm.choose_tree_tiles(torch.empty(160, 6144, 2560), 8, timer=timer)
+    assert chosen and all(c == mm._tiles(8, True, 2560) for c in chosen.values())
+    assert mm.wide_prefill_tile(2560, 8, 6144, 8192 * 8, 160) is None
+
+
+@pytest.mark.parametrize("k,segments", [(5120, 8), (768, 1), (770, 8)])
 def test_nothing_is_timed_where_the_tree_loop_does_not_run(on_gpu, k, segments):
     calls = []
     assert mm.choose_tree_tiles(torch.empty(4, 64, k), segments, timer=_timer({}, calls)) == {} and calls == []

@@ -417,7 +417,8 @@ case $GROUP in
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1gap.json" ;;
   v1rows)  # issue 37: v1's tree down projection above the decode path in the tile timed at start-up for the layer's
     # shape, by the rows per expert (matmul.choose_tree_tiles, the default): first the GPU tier (every candidate's bits
-    # in every order of programs and weight fetch, the choice at three shapes), then the choice against the
+    # in every order of programs and weight fetch, the choice at three shapes and, against the flat loop, at
+    # Coder-480B-A35B's segments too wide for ROW_SEG's stages), then the choice against the
     # fixed tile (tpo_v1_treefixed) inside servers: the 235B-A22B layer shape's plain and qwen
     # cells (GEOMETRY; unset: the depth that fits the card) against both tuned stocks with the default, then
     # 30B-A3B's 48 layers' plain and tail against stock (resumable; the v1 parity after it: MOE_TAG=v1rows V1_48=1
@@ -426,7 +427,7 @@ case $GROUP in
     G=${GEOMETRY:-$(a22b_depth)}
     ROWS=" ${ROWS:-tier a22b a3b48} "
     [[ $ROWS == *" tier "* ]] && run tier gpu-tier-seg-rows tests/gpu/test_kernels_gpu.py \
-      -k "program_order or seg_tree_equals_flat or seg_tree_tma_equals_pointer or tree_tile_choice"
+      -k "program_order or seg_tree_equals_flat or seg_tree_tma_equals_pointer or tree_tile_choice or wide_segment_choice"
     [[ $ROWS == *" a22b "* ]] && run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
       --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe tpo_v1 tpo_v1_treefixed stock_fi_moe tpo} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \

@@ -603,10 +603,11 @@ SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection
 @pytest.mark.parametrize("tiles", sorted(SEG_TILES))
 @pytest.mark.parametrize("rows,n_out,k,segments", [(1, 2048, 768, 8), (257, 2048, 768, 8), (4097, 2048, 768, 8),
                                                    (64, 2048, 384, 4), (33, 2048, 4096, 8), (300, 136, 1536, 8),
-                                                   (65, 512, 192, 2), (65, 512, 96, 1)])
+                                                   (65, 512, 192, 2), (65, 512, 96, 1), (300, 512, 2560, 8)])
 def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     """``seg_tree`` (segments as the pipelined loop, a segment in BK chunks plus a tail, the tree
-    folded by selects) computes ROW_FLAT's bits, plain and expert-grouped, for every tile set."""
+    folded by selects) computes ROW_FLAT's bits, plain and expert-grouped, for every tile set; a start-up choice
+    candidate at the stages that fit where the segment is too wide for its own (Coder-480B-A35B's 320 columns)."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
     from true_on_policy.kernels.moe import align
@@ -614,8 +615,10 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     cfg = SEG_TILES[tiles] or mm.ROW_SEG
     if not st.fits(k // segments, cfg["BK"]):
         pytest.skip(f"segment {k // segments} does not split into {cfg['BK']}-wide chunks")
-    if not st.smem_ok(k // segments, cfg) and cfg not in mm.tree_candidates(k // segments):
-        pytest.skip("staged operands exceed shared memory: grouped_matmul runs ROW_FLAT for such segments")
+    if not st.smem_ok(k // segments, cfg):
+        cfg = mm.staged(k // segments, cfg)
+        if cfg not in mm.tree_candidates(k // segments):
+            pytest.skip("staged operands exceed shared memory: grouped_matmul runs ROW_FLAT for such segments")
     g = _gen(rows + k + segments)
     x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
     we = _randn(g, 4, n_out, k, scale=0.02)
@@ -1059,6 +1062,44 @@ def test_the_tree_tile_choice_keeps_the_bits(geometry, monkeypatch, gpu_evidence
     gpu_evidence.append({"test": f"tree_tile_choice_{geometry}", "bitwise": True, "times_ms": times,
                          "chosen": {r: "{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**c)
                                     for r, c in chosen.items()}})
+
+
+def test_the_wide_segment_choice_keeps_the_bits(monkeypatch, gpu_evidence):
+    """Where v1's down projection's segments are too wide for ROW_SEG's stages (Coder-480B-A35B's 2560 / 8 = 320
+    columns), the start-up choice times the flat loop that runs there against the candidates at the stages that
+    fit, and installs one per bucket of rows per expert; then ``grouped_matmul`` gives the flat loop's bits at 512
+    to 8192 tokens, under the choice and under TREE_FIXED, taking the bucket's ``seg_tree`` tile or the flat loop."""
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    h, e, top_k, inter = 6144, 160, 8, 2560
+    g = _gen(h + e + top_k + 3)
+    w2 = _randn(g, e, h, inter, scale=0.03)
+    flat, cands = mm._tiles(8, True, inter), mm.wide_candidates(inter, 8)
+    assert cands and cands[0] == flat and not mm.seg_path(inter, 8)
+    monkeypatch.setattr(mm, "TREE_CHOSEN", {})
+    times: dict = {}
+    chosen = mm.choose_tree_tiles(w2, 8, times_out=times)
+    assert set(chosen) == {str(rows) for _, rows in mm.TREE_BUCKETS} and all(c in cands for c in chosen.values())
+    assert all(len(t) == len(cands) and min(t) > 0 for t in times.values()), times
+    for t in (512, 2048, 8192):
+        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
+        _, be, _, own = align(ids, 0, e)
+        p, slots = own.shape[0], t * top_k
+        hid = _randn(g, p, inter)
+        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
+        ref = mm._launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own,
+                         be.repeat_interleave(mm.ALIGN // flat["BLOCK_M"]), p, 8, flat)
+        for fixed in (False, True):
+            monkeypatch.setattr(mm, "TREE_FIXED", fixed)
+            picked = None if fixed else mm.by_rows(mm.TREE_CHOSEN[inter // 8, h, e], mm.expert_groups(slots, e)[1])
+            want = picked if picked is not None and mm.is_seg_tile(picked) else None
+            assert mm.wide_prefill_tile(inter, 8, h, slots, e) == want, (t, fixed)
+            api = mm.grouped_matmul(hid, w2, own, be, torch.float32, 8, tree=True, tokens=t, slots=slots)
+            _same(api[real], ref[real], f"wide grouped_matmul(tree) tokens={t} fixed={fixed}")
+    gpu_evidence.append({"test": "tree_tile_choice_wide_a35b", "bitwise": True, "times_ms": times,
+                         "chosen": {r: ("{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**c)
+                                        + ("" if mm.is_seg_tile(c) else " flat loop")) for r, c in chosen.items()}})
 
 
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
