@@ -691,9 +691,10 @@ def wide_candidates(k: int, segments: int) -> list[dict]:
 
 def time_tree_tiles(w, segments: int, rows: int, cands, rounds: int = 3, reps: int = 3) -> list[float]:
     """Median ms of a CUDA-graph replay of ``reps`` launches of the grouped tree GEMM (``seg_tree``, or the flat
-    loop for its tile, as ``grouped_matmul`` launches them above the decode path) with each tile of ``cands``, over w [E, N, K]'s experts
-    each receiving ``rows`` rows of random activations (``moe.align``'s table; fewer where TREE_TIMING_BYTES would
-    not hold them), alternated over ``rounds`` rounds (``attention.time_graphs``). CUDA only."""
+    loop for its tile, as ``grouped_matmul`` launches them above the decode path) with each tile of ``cands``, over
+    w [E, N, K]'s experts each receiving ``rows`` rows of random activations (``moe.align``'s table; fewer where
+    TREE_TIMING_BYTES would not hold them), alternated over ``rounds`` rounds (``attention.time_graphs``). CUDA
+    only."""
     import torch
     from true_on_policy.kernels import attention, grouped_tma, seg_tree
     from true_on_policy.kernels.moe import align

@@ -253,8 +253,8 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
     mm.TREE_CHOSEN[80, ND, e] = ((1, base), (None, mm.TREE_CANDIDATES[2]))
     # the flat loop's own result: the interpreter's fp64 stand-in rounds once per dot, so its chunks (ROW's masked
     # 64 columns against seg_tree's 64 and a 16-column tail) round apart; on a GPU they give the same bits (GPU tier)
-    fref = flat(xs, we, torch.full((p, ND), float("nan")), own, be.repeat_interleave(mm.ALIGN // base["BLOCK_M"]), p, SD,
-                base)
+    fref = flat(xs, we, torch.full((p, ND), float("nan")), own, be.repeat_interleave(mm.ALIGN // base["BLOCK_M"]),
+                p, SD, base)
     launched.clear()
     for fixed in (False, True):
         mm.TREE_FIXED = fixed

@@ -2,9 +2,10 @@
 (``kernels.matmul.choose_tree_tiles``, run by ``patches/cuda_graph.py`` before the first CUDA-graph capture unless
 ``TRUE_ON_POLICY_TREE_TILE=fixed``), by the rows per expert (``seg_prefill_tile``); ROW_SEG where nothing was timed,
 without slots, and under TREE_FIXED. Where a segment is too wide for ROW_SEG's stages, each candidate at the most
-stages that fit, against the flat loop that runs there (``wide_prefill_tile``). The timing itself runs on the GPU (tests/gpu/test_kernels_gpu.py:
-test_the_tree_tile_choice_keeps_the_bits, which also checks the bits); here a timer stands in for it. The candidates
-hold every committed sweep's fastest tile, so the choice can reach it."""
+stages that fit, against the flat loop that runs there (``wide_prefill_tile``). The timing itself runs on the GPU
+(tests/gpu/test_kernels_gpu.py: test_the_tree_tile_choice_keeps_the_bits and
+test_the_wide_segment_choice_keeps_the_bits, which also check the bits); here a timer stands in for it. The
+candidates hold every committed sweep's fastest tile, so the choice can reach it."""
 
 import json
 
@@ -52,7 +53,8 @@ def test_where_a_segment_is_wide_each_candidate_takes_the_most_stages_that_fit(s
     for c in cands:
         own = next(t for t in mm.TREE_CANDIDATES if dict(t, num_stages=c["num_stages"]) == c)
         assert seg_tree.fits(seg, c["BK"]) and seg_tree.fits_block(seg, c) and 2 <= c["num_stages"] <= own["num_stages"]
-        assert c["num_stages"] == own["num_stages"] or not seg_tree.fits_block(seg, dict(c, num_stages=c["num_stages"] + 1))
+        more = dict(c, num_stages=c["num_stages"] + 1)
+        assert c["num_stages"] == own["num_stages"] or not seg_tree.fits_block(seg, more)
         assert c in mm.candidate_tiles("seg_tree") and mm.ALIGN % c["BLOCK_M"] == 0
     left_out = [t for t in mm.TREE_CANDIDATES if all(dict(t, num_stages=c["num_stages"]) != c for c in cands)]
     assert all(not seg_tree.fits_block(seg, dict(t, num_stages=2)) for t in left_out), left_out
