@@ -1026,6 +1026,18 @@ def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
                          "groups": ORDER_GROUPS, "bitwise": True})
 
 
+def _timed_tree_choice(w2, cands):
+    """``matmul.choose_tree_tiles`` at w2's shape in 8 segments, on the GPU: one of ``cands`` for every bucket, a
+    positive time for every candidate; returns (chosen, times)."""
+    import true_on_policy.kernels.matmul as mm
+
+    times: dict = {}
+    chosen = mm.choose_tree_tiles(w2, 8, times_out=times)
+    assert set(chosen) == {str(rows) for _, rows in mm.TREE_BUCKETS} and all(c in cands for c in chosen.values())
+    assert all(len(t) == len(cands) and min(t) > 0 for t in times.values()), times
+    return chosen, times
+
+
 @pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
 def test_the_tree_tile_choice_keeps_the_bits(geometry, monkeypatch, gpu_evidence):
     """The start-up choice of v1's tree down projection tile above the decode path (``matmul.choose_tree_tiles``)
@@ -1034,23 +1046,16 @@ def test_the_tree_tile_choice_keeps_the_bits(geometry, monkeypatch, gpu_evidence
     takes the bucket's choice (ROW_SEG under TREE_FIXED)."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
-    from true_on_policy.kernels.moe import align
 
     h, _, _, _, e, top_k, inter = DECODE_GEOMETRIES[geometry]
     g = _gen(h + e + top_k + 2)
     w2 = _randn(g, e, h, inter, scale=0.03)
     seg, cands = inter // 8, mm.tree_candidates(inter // 8)
     monkeypatch.setattr(mm, "TREE_CHOSEN", {})
-    times: dict = {}
-    chosen = mm.choose_tree_tiles(w2, 8, times_out=times)
-    assert set(chosen) == {str(rows) for _, rows in mm.TREE_BUCKETS} and all(c in cands for c in chosen.values())
-    assert all(len(t) == len(cands) and min(t) > 0 for t in times.values()), times
+    chosen, times = _timed_tree_choice(w2, cands)
     for t in (512, 2048, 8192):
-        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
-        _, be, _, own = align(ids, 0, e)
+        be, own, hid, real = _down_rows(g, t, e, top_k, inter)
         p, slots = own.shape[0], t * top_k
-        hid = _randn(g, p, inter)
-        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
         bexp = be.repeat_interleave(mm.ALIGN // mm.ROW_SEG["BLOCK_M"])
         ref = st.launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own, bexp, p, 8, mm.ROW_SEG)
         for fixed in (False, True):
@@ -1070,7 +1075,6 @@ def test_the_wide_segment_choice_keeps_the_bits(monkeypatch, gpu_evidence):
     fit, and installs one per bucket of rows per expert; then ``grouped_matmul`` gives the flat loop's bits at 512
     to 8192 tokens, under the choice and under TREE_FIXED, taking the bucket's ``seg_tree`` tile or the flat loop."""
     import true_on_policy.kernels.matmul as mm
-    from true_on_policy.kernels.moe import align
 
     h, e, top_k, inter = 6144, 160, 8, 2560
     g = _gen(h + e + top_k + 3)
@@ -1078,16 +1082,10 @@ def test_the_wide_segment_choice_keeps_the_bits(monkeypatch, gpu_evidence):
     flat, cands = mm._tiles(8, True, inter), mm.wide_candidates(inter, 8)
     assert cands and cands[0] == flat and not mm.seg_path(inter, 8)
     monkeypatch.setattr(mm, "TREE_CHOSEN", {})
-    times: dict = {}
-    chosen = mm.choose_tree_tiles(w2, 8, times_out=times)
-    assert set(chosen) == {str(rows) for _, rows in mm.TREE_BUCKETS} and all(c in cands for c in chosen.values())
-    assert all(len(t) == len(cands) and min(t) > 0 for t in times.values()), times
+    chosen, times = _timed_tree_choice(w2, cands)
     for t in (512, 2048, 8192):
-        ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top_k].int()
-        _, be, _, own = align(ids, 0, e)
+        be, own, hid, real = _down_rows(g, t, e, top_k, inter)
         p, slots = own.shape[0], t * top_k
-        hid = _randn(g, p, inter)
-        real = (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
         ref = mm._launch(hid, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own,
                          be.repeat_interleave(mm.ALIGN // flat["BLOCK_M"]), p, 8, flat)
         for fixed in (False, True):
