@@ -316,24 +316,30 @@ def test_a_copy_without_git_records_the_reason_and_can_be_verified(tmp_path, mon
     assert not ok and "not commit" in why
 
 
-def test_the_gpu_tier_file_records_every_test_outcome_not_only_the_records(tmp_path):
-    """A tier session with a passing test that records, a failing one and a skipped one: the
-    file is written, its ``tests`` block counts 1 passed / 1 failed / 1 skipped, names the failure
-    and the skip reason, and does not say all passed. Before, only the records were written, so a
-    failed test left no trace in the file."""
+def _tier_session(tmp_path, status: int, tests: str):
+    """A pytest session of ``tests`` under the project's conftest, its GPU tier file written to tmp_path/ev: it ends
+    with ``status``; returns the file."""
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tmp_path / "test_tier.py").write_text(
-        "import pytest\n\n"
-        "def test_records(gpu_evidence):\n    gpu_evidence.append({'test': 'x', 'bitwise': True})\n\n"
-        "def test_fails():\n    assert 1 == 2\n\n"
-        "def test_skips():\n    pytest.skip('no such thing here')\n")
+    (tmp_path / "test_tier.py").write_text(tests)
     out = tmp_path / "ev"
     env = dict(os.environ, TRUE_ON_POLICY_EVIDENCE_DIR=str(out), TRUE_ON_POLICY_GIT_COMMIT="0" * 40)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                         str(tmp_path / "test_tier.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
-    doc = json.loads((out / "gpu-tier.json").read_text())
+    assert r.returncode == status, r.stdout + r.stderr
+    return json.loads((out / "gpu-tier.json").read_text())
+
+
+def test_the_gpu_tier_file_records_every_test_outcome_not_only_the_records(tmp_path):
+    """A tier session with a passing test that records, a failing one and a skipped one: the
+    file is written, its ``tests`` block counts 1 passed / 1 failed / 1 skipped, names the failure
+    and the skip reason, and does not say all passed. Before, only the records were written, so a
+    failed test left no trace in the file."""
+    doc = _tier_session(tmp_path, 1, (
+        "import pytest\n\n"
+        "def test_records(gpu_evidence):\n    gpu_evidence.append({'test': 'x', 'bitwise': True})\n\n"
+        "def test_fails():\n    assert 1 == 2\n\n"
+        "def test_skips():\n    pytest.skip('no such thing here')\n"))
     assert doc["schema"] == "true_on_policy.gpu_tier/3" and doc["records"] == [{"test": "x", "bitwise": True}]
     t = doc["tests"]
     assert t["counts"] == {"passed": 1, "failed": 1, "skipped": 1}, t
@@ -348,22 +354,14 @@ def test_the_gpu_tier_file_under_xdist_names_the_controllers_command(tmp_path):
     first worker's provenance (its GPU, versions and source), but the controller's command line, since a
     worker's own is ``python -c`` and names no test. The worker's handoff is played by a test that calls
     the controller's hook with a worker's output, as xdist does when a node goes down."""
-    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     worker = {"records": [{"test": "w", "bitwise": True}],
               "provenance": {"command": ["python3", "-c"], "gpu": {"name": "a worker's GPU", "count": 1},
                              "versions": {"torch": "w"}, "git": {"commit": None}, "started_at": "t", "host": "h"}}
-    (tmp_path / "test_tier.py").write_text(
+    doc = _tier_session(tmp_path, 0, (
         "import json, sys, types\n\n"
         "def test_a_worker_goes_down():\n"
         f"    node = types.SimpleNamespace(workeroutput={{'true_on_policy_gpu_tier': json.dumps({worker!r})}})\n"
-        "    sys.modules['conftest'].pytest_testnodedown(node, None)\n")
-    out = tmp_path / "ev"
-    env = dict(os.environ, TRUE_ON_POLICY_EVIDENCE_DIR=str(out), TRUE_ON_POLICY_GIT_COMMIT="0" * 40)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                        str(tmp_path / "test_tier.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    doc = json.loads((out / "gpu-tier.json").read_text())
+        "    sys.modules['conftest'].pytest_testnodedown(node, None)\n"))
     assert doc["records"] == worker["records"]
     prov = doc["provenance"]
     assert prov["gpu"] == worker["provenance"]["gpu"] and prov["versions"] == worker["provenance"]["versions"]
