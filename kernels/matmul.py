@@ -623,8 +623,16 @@ def seg_prefill_tile(seg: int, n: int, slots: int | None, experts: int) -> dict:
     experts: the start-up choice for that shape (TREE_CHOSEN, ``choose_tree_tiles``) at the rows an expert in use
     receives; ROW_SEG where none was made, where the slots are unknown, and under TREE_FIXED. A speed choice: every
     tile the same bits."""
+    cfg = _chosen_tree_tile(seg, n, slots, experts)
+    return ROW_SEG if cfg is None else cfg
+
+
+def _chosen_tree_tile(seg: int, n: int, slots: int | None, experts: int) -> dict | None:
+    """The start-up choice's tile for segments of ``seg`` columns, ``n`` output columns and ``experts`` experts at
+    the rows an expert in use receives of ``slots`` routed pairs (TREE_CHOSEN); None where nothing was timed for
+    the shape, without slots and under TREE_FIXED."""
     table = None if TREE_FIXED or slots is None else TREE_CHOSEN.get((seg, n, experts))
-    return ROW_SEG if table is None else by_rows(table, expert_groups(slots, experts)[1])
+    return None if table is None else by_rows(table, expert_groups(slots, experts)[1])
 
 
 def wide_prefill_tile(k: int, segments: int, n: int, slots: int | None, experts: int) -> dict | None:
@@ -632,10 +640,9 @@ def wide_prefill_tile(k: int, segments: int, n: int, slots: int | None, experts:
     path: the ``seg_tree`` tile the start-up choice timed faster than the flat loop for this shape at the rows an
     expert in use receives; None (the flat loop, ``_launch``) where the flat loop was fastest, where nothing was
     timed for the shape, without slots and under TREE_FIXED. A speed choice: the same bits either way."""
-    if TREE_FIXED or slots is None or segments < 2 or k % segments:
+    if segments < 2 or k % segments:
         return None
-    table = TREE_CHOSEN.get((k // segments, n, experts))
-    cfg = None if table is None else by_rows(table, expert_groups(slots, experts)[1])
+    cfg = _chosen_tree_tile(k // segments, n, slots, experts)
     return cfg if cfg is not None and is_seg_tile(cfg) else None
 
 

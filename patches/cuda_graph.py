@@ -152,9 +152,10 @@ def choose_tree_tiles(model_runner, block_type=None) -> list[dict]:
     grouped tree GEMM's candidate tiles above the decode path on the layer's own weights and install the fastest
     per rows per expert (``kernels.matmul.choose_tree_tiles``; speed only: every candidate gives ROW_SEG's bits),
     where the segments are too wide for ROW_SEG's stages against the flat loop that runs there. Nothing where the
-    contract has no tree (width 1) or no candidate fits. A shape whose timing runs out of GPU
-    memory keeps the fixed tile (ROW_SEG, or the flat loop), and the manifest says so. Returns what was chosen, for the manifest. ``block_type``: the
-    MoE block's class (SGLang's ``Qwen3MoeSparseMoeBlock``, the seam ``qwen3_moe.MOE_FORWARD`` patches)."""
+    contract has no tree (width 1) or no candidate fits. A shape whose timing runs out of GPU memory keeps the
+    fixed tile (ROW_SEG, or the flat loop), and the manifest says so. Returns what was chosen, for the manifest.
+    ``block_type``: the MoE block's class (SGLang's ``Qwen3MoeSparseMoeBlock``, the seam ``qwen3_moe.MOE_FORWARD``
+    patches)."""
     import torch
     from true_on_policy.kernels import matmul as mm
     from true_on_policy.kernels.tree_reduce import segments_for, tree_width
@@ -175,7 +176,8 @@ def choose_tree_tiles(model_runner, block_type=None) -> list[dict]:
         try:
             tiles = mm.choose_tree_tiles(w2, segments)
         except torch.cuda.OutOfMemoryError as e:
-            out.append({"shape": list(w2.shape), "segments": segments, "error": f"out of GPU memory, the fixed tile kept: {e}"})
+            out.append({"shape": list(w2.shape), "segments": segments,
+                        "error": f"out of GPU memory, the fixed tile kept: {e}"})
             continue
         if tiles:
             out.append({"shape": list(w2.shape), "segments": segments, "tiles": tiles})
