@@ -45,8 +45,8 @@ fi
 : "${END_AT:?}" "${OUT:?}"
 while [ "$(date +%s)" -lt "$END_AT" ] && [ ! -e "$W/.done" ]; do sleep 5; done
 mkdir -p "$OUT/ev"
-(cd "$W" && find evidence -type f -newer .stamp -print0 | tar --null -T - -cf - 2>/dev/null) | tar -xf - -C "$OUT/ev"
 (cd "$W" && find evidence -type f -newer .stamp -print0 | tar --null -T - -czf "$OUT/ev/new-evidence.tgz")
+tar -xzf "$OUT/ev/new-evidence.tgz" -C "$OUT/ev"
 cp "$W/jobs.log" "$OUT/ev/" 2>/dev/null
 for f in "$W"/logs/*.log; do [ -e "$f" ] && tail -c 60000 "$f" > "$OUT/ev/$(basename "$f")"; done
 cat "$W/jobs.log" 2>/dev/null
