@@ -422,7 +422,8 @@ case $GROUP in
     # fixed tile (tpo_v1_treefixed) inside servers: the 235B-A22B layer shape's plain and qwen
     # cells (GEOMETRY; unset: the depth that fits the card) against both tuned stocks with the default, then
     # 30B-A3B's 48 layers' plain and tail against stock (resumable; the v1 parity after it: MOE_TAG=v1rows V1_48=1
-    # moeparity). ROWS=<parts>: some of tier, a22b, a3b48 (default: all three, in that order)
+    # moeparity). ROWS=<parts>: some of tier, a22b, a3b48 (default: all three, in that order); VARIANTS and
+    # WORKLOADS: the 235B-A22B line's; VARIANTS48: the 48 layers' line's; ROWS_TAG: the files' tag (default v1rows)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     G=${GEOMETRY:-$(a22b_depth)}
     ROWS=" ${ROWS:-tier a22b a3b48} "
@@ -431,21 +432,22 @@ case $GROUP in
     [[ $ROWS == *" a22b "* ]] && run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry "$G" \
       --workload ${WORKLOADS:-plain qwen} --variants ${VARIANTS:-stock_moe tpo_v1 tpo_v1_treefixed stock_fi_moe tpo} \
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
-      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-v1rows.json"
+      ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-${ROWS_TAG:-v1rows}.json"
     [[ $ROWS == *" a3b48 "* ]] && run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 \
-      --workload plain tail --variants stock tpo_v1 tpo_v1_treefixed --new-tokens 256 --one-engine --repeats 1 \
+      --workload plain tail --variants ${VARIANTS48:-stock tpo_v1 tpo_v1_treefixed} --new-tokens 256 --one-engine --repeats 1 \
       --mem 0.85 --http --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} \
-      --out "$E/throughput-space-a3b48-v1rows.json"
+      --out "$E/throughput-space-a3b48-${ROWS_TAG:-v1rows}.json"
     true ;;
   moeparity)  # issue 37's parity acceptance after a change to the MoE GEMMs (MOE_TAG names the files: moetiles,
     # the tiles by the rows per expert; moeorder, the programs in groups): the 235B-A22B layer shape (2 layers; a
     # 4096-token prompt chunked at 2048, then 8 radix-cache hits) and the h1536 truncation stress (a geometry of our
     # own, truncated sampling in the traffic) under the default and under v1, then the 48 layers under the default
-    # (and, with V1_48=1, under v1). MOE_CONTRACTS=v1: the short ones under v1 only (a change that moves v1 alone);
-    # NO48=1: not the 48 layers
+    # (and, with V1_48=1, under v1). MOE_CONTRACTS=v1: the short ones under v1 only (a change that moves v1 alone;
+    # none: no short ones); NO48=1: not the 48 layers; MOE48=v1: the 48 layers under v1 only
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     T=${MOE_TAG:-moetiles}
     for c in ${MOE_CONTRACTS:-flat v1}; do
+      [ $c = none ] && continue
       C=$([ $c = v1 ] && echo "$V1")
       run $P --mode tpo --trainer patched $C --geometry a22b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
         --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$c-a22b2-$T.json"
@@ -454,7 +456,7 @@ case $GROUP in
     [ "${NO48:-0}" = 1 ] && { echo "NO48=1: the 48 layers not run"; exit $rc; }
     # the 48 layers' 57 GB and a 235B-A22B benchmark checkpoint's 53 GB overfill a 128 GiB host's tmpfs: room first
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/geometries.py --ensure a3b48 --make-room
-    for c in flat $([ "${V1_48:-0}" = 1 ] && echo v1); do
+    for c in ${MOE48:-flat $([ "${V1_48:-0}" = 1 ] && echo v1)}; do
       C=$([ $c = v1 ] && echo "$V1")
       run $P --mode tpo --trainer patched $C --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
         --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-$c-a3b48-$T.json"
