@@ -1,7 +1,8 @@
 """tests/gpu/detach.sh, with a stand-in for regenerate_evidence.sh: the jobs run detached in a copy of the
 checkout, one after another, each with what is left before the deadline less its reserve as TIME_BUDGET and its own
 variables; a job without a minute skipped; the watch brings back only the evidence written since the start (whole
-folders kept), the jobs' log and each job's log."""
+folders kept), the jobs' log and each job's log; the copy the jobs ran in hashes as the checkout (the source hash
+an evidence file records, which provenance --verify checks against the claimed commit)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import tarfile
 import time
 
 from helpers import ROOT
+
+from true_on_policy.harness import provenance as pv
 
 FAKE = """#!/usr/bin/env bash
 mkdir -p evidence/tier-$1
@@ -49,3 +52,4 @@ def test_detached_jobs_run_in_order_under_the_deadline_and_their_new_evidence_co
     assert log.index("one start") < log.index("two start"), log
     assert (ev / "one.log").read_text().strip() == "ran g1"
     assert not (tmp_path / "w" / ".git").exists() and (repo / "evidence" / "old.json").exists()
+    assert pv.source_sha256(tmp_path / "w") == pv.source_sha256(repo)

@@ -10,7 +10,8 @@
 # the group, and RESERVE=<s> keeps that many seconds of the deadline for the jobs after it. A job gets what is left
 # before DEADLINE less its RESERVE as TIME_BUDGET (the throughput lines stop before a pass that would not end in
 # it) and is killed at the deadline; one with under a minute left is skipped. The copy ($W, without .git) records
-# TRUE_ON_POLICY_GIT_COMMIT as the commit it claims (provenance --verify checks it against the source).
+# TRUE_ON_POLICY_GIT_COMMIT as the commit it claims (provenance --verify checks it against the source); the driver
+# and its logs live in the copy's .detach/, which the source hash leaves out, so the copy hashes as the checkout.
 # Watching waits until END_AT or the last job's end, then puts under $OUT/ev the evidence files written since the
 # start (also as new-evidence.tgz, whole folders kept), jobs.log (each job's start, seconds left and exit status)
 # and the tail of each job's log; it prints jobs.log, ALL-DONE once every job ended, and each log's last lines.
@@ -19,12 +20,13 @@ W=${W:-/tmp/tpo-detach}
 REGEN=${REGEN:-tests/gpu/regenerate_evidence.sh}
 if [ "${MODE:-watch}" = start ]; then
   : "${TRUE_ON_POLICY_GIT_COMMIT:?the commit this checkout is}" "${JOBS_FILE:?}" "${DEADLINE:?}"
-  rm -rf "$W" && mkdir -p "$W/logs"
+  rm -rf "$W" && mkdir -p "$W/.detach/logs"
   tar --exclude=./.git --exclude=./.gpu-bundle -cf - . | tar -xf - -C "$W"
-  cp "$JOBS_FILE" "$W/logs/jobs.txt"
-  touch "$W/.stamp"
-  cat > "$W/logs/run.sh" <<'RUN'
+  cp "$JOBS_FILE" "$W/.detach/jobs.txt"
+  touch "$W/.detach/stamp"
+  cat > "$W/.detach/run.sh" <<'RUN'
 cd "$W" || exit 1
+D=.detach
 while read -r line; do
   [ -z "${line// }" ] && continue
   eval "set -- $line"
@@ -32,24 +34,24 @@ while read -r line; do
   reserve=0 vars=()
   for v in "$@"; do case $v in RESERVE=*) reserve=${v#RESERVE=} ;; *) vars+=("$v") ;; esac; done
   left=$(( DEADLINE - $(date +%s) ))
-  if [ $((left - reserve)) -lt 60 ]; then echo "$(date +%T) $name skipped: $left s left, $reserve reserved" >> jobs.log; continue; fi
-  echo "$(date +%T) $name start ($group ${vars[*]}), $left s left" >> jobs.log
-  timeout "$left" env TIME_BUDGET=$((left - reserve)) "${vars[@]}" bash "$REGEN" "$group" > "logs/$name.log" 2>&1
-  echo "$(date +%T) $name rc=$?" >> jobs.log
-done < logs/jobs.txt
-touch .done
+  if [ $((left - reserve)) -lt 60 ]; then echo "$(date +%T) $name skipped: $left s left, $reserve reserved" >> $D/jobs.log; continue; fi
+  echo "$(date +%T) $name start ($group ${vars[*]}), $left s left" >> $D/jobs.log
+  timeout "$left" env TIME_BUDGET=$((left - reserve)) "${vars[@]}" bash "$REGEN" "$group" > "$D/logs/$name.log" 2>&1
+  echo "$(date +%T) $name rc=$?" >> $D/jobs.log
+done < $D/jobs.txt
+touch $D/done
 RUN
   (W="$W" REGEN="$REGEN" DEADLINE="$DEADLINE" TRUE_ON_POLICY_GIT_COMMIT="$TRUE_ON_POLICY_GIT_COMMIT" \
-    setsid nohup bash "$W/logs/run.sh" > "$W/logs/driver.log" 2>&1 &)
+    setsid nohup bash "$W/.detach/run.sh" > "$W/.detach/logs/driver.log" 2>&1 &)
 fi
 : "${END_AT:?}" "${OUT:?}"
-while [ "$(date +%s)" -lt "$END_AT" ] && [ ! -e "$W/.done" ]; do sleep 5; done
+while [ "$(date +%s)" -lt "$END_AT" ] && [ ! -e "$W/.detach/done" ]; do sleep 5; done
 mkdir -p "$OUT/ev"
-(cd "$W" && find evidence -type f -newer .stamp -print0 | tar --null -T - -czf "$OUT/ev/new-evidence.tgz")
+(cd "$W" && find evidence -type f -newer .detach/stamp -print0 | tar --null -T - -czf "$OUT/ev/new-evidence.tgz")
 tar -xzf "$OUT/ev/new-evidence.tgz" -C "$OUT/ev"
-cp "$W/jobs.log" "$OUT/ev/" 2>/dev/null
-for f in "$W"/logs/*.log; do [ -e "$f" ] && tail -c 60000 "$f" > "$OUT/ev/$(basename "$f")"; done
-cat "$W/jobs.log" 2>/dev/null
-[ -e "$W/.done" ] && echo ALL-DONE
-for f in "$W"/logs/*.log; do [ -e "$f" ] && { echo "== $(basename "$f")"; tail -n 15 "$f"; }; done
+cp "$W/.detach/jobs.log" "$OUT/ev/" 2>/dev/null
+for f in "$W"/.detach/logs/*.log; do [ -e "$f" ] && tail -c 60000 "$f" > "$OUT/ev/$(basename "$f")"; done
+cat "$W/.detach/jobs.log" 2>/dev/null
+[ -e "$W/.detach/done" ] && echo ALL-DONE
+for f in "$W"/.detach/logs/*.log; do [ -e "$f" ] && { echo "== $(basename "$f")"; tail -n 15 "$f"; }; done
 true
