@@ -53,3 +53,29 @@ def test_detached_jobs_run_in_order_under_the_deadline_and_their_new_evidence_co
     assert (ev / "one.log").read_text().strip() == "ran g1"
     assert not (tmp_path / "w" / ".git").exists() and (repo / "evidence" / "old.json").exists()
     assert pv.source_sha256(tmp_path / "w") == pv.source_sha256(repo)
+
+
+def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tests" / "gpu").mkdir(parents=True)
+    (repo / "evidence").mkdir()
+    (repo / "tests" / "gpu" / "detach.sh").write_text((ROOT / "tests" / "gpu" / "detach.sh").read_text())
+    (repo / "fake.sh").write_text(FAKE)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "jobs.txt").write_text("one g1\n")
+    now = int(time.time())
+    env = dict(os.environ, MODE="start", JOBS_FILE=str(tmp_path / "jobs.txt"), DEADLINE=str(now + 1000),
+               END_AT=str(now + 60), OUT=str(tmp_path / "out"), W=str(tmp_path / "w"), REGEN="fake.sh",
+               PYTHONPATH=str(ROOT))
+    bad = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": "4b1e2f0"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and f"it is {head}" in bad.stderr, bad.stdout + bad.stderr
+    assert not (tmp_path / "w" / ".detach" / "run.sh").exists() and not (tmp_path / "out").exists()
+    good = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": head},
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "ALL-DONE" in good.stdout, good.stdout + good.stderr
+    assert json.loads((tmp_path / "out" / "ev" / "evidence" / "tier-g1" / "out.json").read_text())["commit"] == head
