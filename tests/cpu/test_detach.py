@@ -63,19 +63,26 @@ def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_pa
     (repo / "fake.sh").write_text(FAKE)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "one"], check=True)
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    commits = []
+    for text in ("X = 1\n", "X = 2\n"):
+        (repo / "m.py").write_text(text)
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", text], check=True)
+        commits.append(subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
     (tmp_path / "jobs.txt").write_text("one g1\n")
     now = int(time.time())
     env = dict(os.environ, MODE="start", JOBS_FILE=str(tmp_path / "jobs.txt"), DEADLINE=str(now + 1000),
                END_AT=str(now + 60), OUT=str(tmp_path / "out"), W=str(tmp_path / "w"), REGEN="fake.sh",
                PYTHONPATH=str(ROOT))
-    bad = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": "4b1e2f0"},
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and f"it is {head}" in bad.stderr, bad.stdout + bad.stderr
-    assert not (tmp_path / "w" / ".detach" / "run.sh").exists() and not (tmp_path / "out").exists()
-    good = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": head},
-                          capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0 and "ALL-DONE" in good.stdout, good.stdout + good.stderr
-    assert json.loads((tmp_path / "out" / "ev" / "evidence" / "tier-g1" / "out.json").read_text())["commit"] == head
+
+    def start(claim):
+        return subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": claim},
+                              capture_output=True, text=True, timeout=120)
+
+    for claim, why in ((commits[1][:7], "not a full commit hash"), (commits[0], f"it is {commits[1]}")):
+        r = start(claim)
+        assert r.returncode == 2 and why in r.stderr, r.stdout + r.stderr
+        assert not (tmp_path / "w" / ".detach" / "run.sh").exists() and not (tmp_path / "out").exists()
+    r = start(commits[1])
+    assert r.returncode == 0 and "ALL-DONE" in r.stdout, r.stdout + r.stderr
+    assert json.loads((tmp_path / "out" / "ev" / "evidence" / "tier-g1" / "out.json").read_text())["commit"] == commits[1]

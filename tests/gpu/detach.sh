@@ -10,9 +10,10 @@
 # the group, and RESERVE=<s> keeps that many seconds of the deadline for the jobs after it. A job gets what is left
 # before DEADLINE less its RESERVE as TIME_BUDGET (the throughput lines stop before a pass that would not end in
 # it) and is killed at the deadline; one with under a minute left is skipped. The copy ($W, without .git) records
-# TRUE_ON_POLICY_GIT_COMMIT as the commit it claims (provenance --verify checks it against the source; where the
-# checkout has its git history, a claim that does not hash as the copy stops the start with exit 2); the driver
-# and its logs live in the copy's .detach/, which the source hash leaves out, so the copy hashes as the checkout.
+# TRUE_ON_POLICY_GIT_COMMIT as the commit it claims (provenance --verify checks it against the source); a claim that
+# is not a full hash, or that this checkout's git history holds and that does not hash as the copy, stops the start
+# with exit 2 and nothing run; the driver and its logs live in the copy's .detach/, which the source hash leaves
+# out, so the copy hashes as the checkout.
 # Watching waits until END_AT or the last job's end, then puts under $OUT/ev the evidence files written since the
 # start (also as new-evidence.tgz, whole folders kept), jobs.log (each job's start, seconds left and exit status)
 # and the tail of each job's log; it prints jobs.log, ALL-DONE once every job ended, and each log's last lines.
@@ -23,8 +24,11 @@ if [ "${MODE:-watch}" = start ]; then
   : "${TRUE_ON_POLICY_GIT_COMMIT:?the commit this checkout is}" "${JOBS_FILE:?}" "${DEADLINE:?}"
   rm -rf "$W" && mkdir -p "$W/.detach/logs"
   tar --exclude=./.git --exclude=./.gpu-bundle -cf - . | tar -xf - -C "$W"
-  # where this checkout's git history is at hand, the claimed commit must hash as the copy, or nothing starts
-  if git rev-parse -q --git-dir > /dev/null 2>&1; then
+  # the claim is a full commit hash; where this checkout's git history holds it, it must hash as the copy
+  [[ $TRUE_ON_POLICY_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]] || {
+    echo "detach.sh: TRUE_ON_POLICY_GIT_COMMIT=$TRUE_ON_POLICY_GIT_COMMIT is not a full commit hash (git rev-parse HEAD); nothing started" >&2
+    exit 2; }
+  if git cat-file -e "$TRUE_ON_POLICY_GIT_COMMIT^{commit}" 2> /dev/null; then
     PYTHONPATH=".:${PYTHONPATH:-}" python3 - "$TRUE_ON_POLICY_GIT_COMMIT" "$W" <<'CHECK' || exit 2
 import sys
 from true_on_policy.harness import provenance as p
@@ -35,7 +39,7 @@ if p.source_sha256_at(claimed, ".") != copy:
              f"({'it is ' + found if found else 'no commit of its history is'}); nothing started")
 CHECK
   else
-    echo "detach.sh: no git history here; $TRUE_ON_POLICY_GIT_COMMIT is claimed unchecked"
+    echo "detach.sh: $TRUE_ON_POLICY_GIT_COMMIT is not in this checkout's git history; claimed unchecked"
   fi
   cp "$JOBS_FILE" "$W/.detach/jobs.txt"
   touch "$W/.detach/stamp"
