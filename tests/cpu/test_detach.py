@@ -76,8 +76,8 @@ def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_pa
                PYTHONPATH=str(ROOT))
 
     def start(claim):
-        return subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": claim},
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, capture_output=True, text=True, timeout=120,
+                              env={**env, "TRUE_ON_POLICY_GIT_COMMIT": claim})
 
     for claim, why in ((commits[1][:7], "not a full commit hash"), (commits[0], f"it is {commits[1]}")):
         r = start(claim)
@@ -85,4 +85,5 @@ def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_pa
         assert not (tmp_path / "w" / ".detach" / "run.sh").exists() and not (tmp_path / "out").exists()
     r = start(commits[1])
     assert r.returncode == 0 and "ALL-DONE" in r.stdout, r.stdout + r.stderr
-    assert json.loads((tmp_path / "out" / "ev" / "evidence" / "tier-g1" / "out.json").read_text())["commit"] == commits[1]
+    out = json.loads((tmp_path / "out" / "ev" / "evidence" / "tier-g1" / "out.json").read_text())
+    assert out["commit"] == commits[1]

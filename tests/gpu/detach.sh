@@ -26,7 +26,8 @@ if [ "${MODE:-watch}" = start ]; then
   tar --exclude=./.git --exclude=./.gpu-bundle -cf - . | tar -xf - -C "$W"
   # the claim is a full commit hash; where this checkout's git history holds it, it must hash as the copy
   [[ $TRUE_ON_POLICY_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]] || {
-    echo "detach.sh: TRUE_ON_POLICY_GIT_COMMIT=$TRUE_ON_POLICY_GIT_COMMIT is not a full commit hash (git rev-parse HEAD); nothing started" >&2
+    echo "detach.sh: TRUE_ON_POLICY_GIT_COMMIT=$TRUE_ON_POLICY_GIT_COMMIT is not a full commit hash" \
+      "(git rev-parse HEAD); nothing started" >&2
     exit 2; }
   if git cat-file -e "$TRUE_ON_POLICY_GIT_COMMIT^{commit}" 2> /dev/null; then
     PYTHONPATH=".:${PYTHONPATH:-}" python3 - "$TRUE_ON_POLICY_GIT_COMMIT" "$W" <<'CHECK' || exit 2
