@@ -24,19 +24,25 @@ echo "ran $1"
 """
 
 
-def test_detached_jobs_run_in_order_under_the_deadline_and_their_new_evidence_comes_back(tmp_path):
+def _checkout(tmp_path, jobs: str):
+    """A checkout holding detach.sh and the stand-in group (fake.sh) under tmp_path/repo, the jobs file beside it;
+    returns the checkout and the environment of a start (deadline 1000 s away, watching up to 60 s)."""
     repo = tmp_path / "repo"
     (repo / "tests" / "gpu").mkdir(parents=True)
     (repo / "evidence").mkdir()
-    (repo / "evidence" / "old.json").write_text("{}")
     (repo / "tests" / "gpu" / "detach.sh").write_text((ROOT / "tests" / "gpu" / "detach.sh").read_text())
     (repo / "fake.sh").write_text(FAKE)
-    (tmp_path / "jobs.txt").write_text("one g1 RESERVE=100 VAR='a b'\n\ntwo g2\nthree g3 RESERVE=100000\n")
+    (tmp_path / "jobs.txt").write_text(jobs)
     now = int(time.time())
-    env = dict(os.environ, MODE="start", JOBS_FILE=str(tmp_path / "jobs.txt"), DEADLINE=str(now + 1000),
-               END_AT=str(now + 60), OUT=str(tmp_path / "out"), W=str(tmp_path / "w"), REGEN="fake.sh",
-               TRUE_ON_POLICY_GIT_COMMIT="c" * 40)
-    r = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    return repo, dict(os.environ, MODE="start", JOBS_FILE=str(tmp_path / "jobs.txt"), DEADLINE=str(now + 1000),
+                      END_AT=str(now + 60), OUT=str(tmp_path / "out"), W=str(tmp_path / "w"), REGEN="fake.sh")
+
+
+def test_detached_jobs_run_in_order_under_the_deadline_and_their_new_evidence_comes_back(tmp_path):
+    repo, env = _checkout(tmp_path, "one g1 RESERVE=100 VAR='a b'\n\ntwo g2\nthree g3 RESERVE=100000\n")
+    (repo / "evidence" / "old.json").write_text("{}")
+    r = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": "c" * 40},
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ALL-DONE" in r.stdout, r.stdout
     ev = tmp_path / "out" / "ev"
@@ -56,11 +62,8 @@ def test_detached_jobs_run_in_order_under_the_deadline_and_their_new_evidence_co
 
 
 def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "tests" / "gpu").mkdir(parents=True)
-    (repo / "evidence").mkdir()
-    (repo / "tests" / "gpu" / "detach.sh").write_text((ROOT / "tests" / "gpu" / "detach.sh").read_text())
-    (repo / "fake.sh").write_text(FAKE)
+    repo, env = _checkout(tmp_path, "one g1\n")
+    env["PYTHONPATH"] = str(ROOT)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     commits = []
@@ -69,11 +72,6 @@ def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_pa
         subprocess.run([*git, "add", "-A"], check=True)
         subprocess.run([*git, "commit", "-qm", text], check=True)
         commits.append(subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
-    (tmp_path / "jobs.txt").write_text("one g1\n")
-    now = int(time.time())
-    env = dict(os.environ, MODE="start", JOBS_FILE=str(tmp_path / "jobs.txt"), DEADLINE=str(now + 1000),
-               END_AT=str(now + 60), OUT=str(tmp_path / "out"), W=str(tmp_path / "w"), REGEN="fake.sh",
-               PYTHONPATH=str(ROOT))
 
     def start(claim):
         return subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, capture_output=True, text=True, timeout=120,
