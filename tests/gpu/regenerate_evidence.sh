@@ -423,7 +423,8 @@ case $GROUP in
     # cells (GEOMETRY; unset: the depth that fits the card) against both tuned stocks with the default, then
     # 30B-A3B's 48 layers' plain and tail against stock (resumable; the v1 parity after it: MOE_TAG=v1rows V1_48=1
     # moeparity). ROWS=<parts>: some of tier, a22b, a3b48 (default: all three, in that order); VARIANTS and
-    # WORKLOADS: the 235B-A22B line's; VARIANTS48: the 48 layers' line's; ROWS_TAG: the files' tag (default v1rows)
+    # WORKLOADS: the 235B-A22B line's; VARIANTS48 and WORKLOADS48: the 48 layers' line's; ROWS_TAG: the files' tag
+    # (default v1rows)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     G=${GEOMETRY:-$(a22b_depth)}
     ROWS=" ${ROWS:-tier a22b a3b48} "
@@ -434,7 +435,7 @@ case $GROUP in
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-${ROWS_TAG:-v1rows}.json"
     [[ $ROWS == *" a3b48 "* ]] && run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 \
-      --workload plain tail --variants ${VARIANTS48:-stock tpo_v1 tpo_v1_treefixed} --new-tokens 256 --one-engine \
+      --workload ${WORKLOADS48:-plain tail} --variants ${VARIANTS48:-stock tpo_v1 tpo_v1_treefixed} --new-tokens 256 --one-engine \
       --repeats 1 --mem 0.85 --http --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} \
       --out "$E/throughput-space-a3b48-${ROWS_TAG:-v1rows}.json"
     true ;;
