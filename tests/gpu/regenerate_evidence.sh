@@ -462,6 +462,11 @@ case $GROUP in
       run $P --mode tpo --trainer patched $C --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
         --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-$c-a3b48-$T.json"
     done ;;
+  wideparity)  # issue 37, v1: parity at the Coder-480B-A35B layer shape (2 layers; a 4096-token prompt chunked at 2048,
+    # then 8 radix-cache hits), whose 320-column segments take the tree tile timed at start-up against the flat loop
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run $P --mode tpo --trainer patched $V1 --geometry a35b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
+      --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-v1-a35b2-${WIDE_TAG:-wide}.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
