@@ -435,8 +435,8 @@ case $GROUP in
       --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$G-${ROWS_TAG:-v1rows}.json"
     [[ $ROWS == *" a3b48 "* ]] && run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 \
-      --workload ${WORKLOADS48:-plain tail} --variants ${VARIANTS48:-stock tpo_v1 tpo_v1_treefixed} --new-tokens 256 --one-engine \
-      --repeats 1 --mem 0.85 --http --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} \
+      --workload ${WORKLOADS48:-plain tail} --variants ${VARIANTS48:-stock tpo_v1 tpo_v1_treefixed} --new-tokens 256 \
+      --one-engine --repeats 1 --mem 0.85 --http --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} \
       --out "$E/throughput-space-a3b48-${ROWS_TAG:-v1rows}.json"
     true ;;
   moeparity)  # issue 37's parity acceptance after a change to the MoE GEMMs (MOE_TAG names the files: moetiles,

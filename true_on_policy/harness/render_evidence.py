@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import string
 import sys
 from pathlib import Path
@@ -141,10 +142,12 @@ QWEN_STOCKS = ("stock_fi", "stock_fi_moe")  # flashinfer sampling's stocks (benc
 
 
 def space_ratio(ratio: float) -> str:
-    """A cell's ratio to two places, or to three where two would round it up to the goal or the floor
-    (0.948 reads 0.948x, not 0.95x: the count beside the table puts it under the goal)."""
+    """A cell's ratio to two places, or, where two would round it up to the goal or the floor, to three
+    rounded down (0.948 reads 0.948x, 0.8996 0.899x: under the line, as the counts beside the table take it)."""
     short = f"{ratio:.2f}"
-    return f"{ratio:.3f}x" if any(float(short) >= t > ratio for t in (GOAL, FLOOR)) else f"{short}x"
+    if any(float(short) >= t > ratio for t in (GOAL, FLOOR)):
+        return f"{math.floor(ratio * 1000) / 1000:.3f}x"
+    return f"{short}x"
 
 
 def space_cells(docs) -> dict:
@@ -196,8 +199,8 @@ def space_table(docs) -> list[str]:
                 card = "" if card == "–" else f", {card}"
                 fp = "" if fingerprint(ran.get("name"), ran.get("fingerprint")) == str(ran.get("fingerprint"))[:8] \
                     else ", old fingerprint"
-                row.append(f"**{space_ratio(ratio)}** ({tok:,.0f} / {stock} {number(stock_tok, ',.0f')}; {commit}{card}{fp}, "
-                           f"[file](../{rel}))")
+                row.append(f"**{space_ratio(ratio)}** ({tok:,.0f} / {stock} {number(stock_tok, ',.0f')}; "
+                           f"{commit}{card}{fp}, [file](../{rel}))")
             rows.append(row)
     counts = {label: [0, 0, 0, 0] for label, _, _ in SPACE_CONTRACTS}
     for (_, _, label), ratio in worst.items():
