@@ -25,6 +25,9 @@ P="python3 -m true_on_policy.harness.parity --prompts 64 --new-tokens 64${PARITY
 # the files without "flat" or "pg" in their names hold the tree-width-8 contract, the default until 2026-12-01:
 # named here, so that they regenerate as they were made (the flat contract is the default now)
 V1="--contract qwen3_moe_true_on_policy_v1"
+# the large layer shapes' parity traffic (2 layers): mixed lengths plus a 4096-token prompt chunked at 2048, then 8
+# radix-cache hits, at T = 1
+LARGE="--temperature 1.0 --long-prompts 1 --long-len 4096 --chunked-prefill-size 2048 --radix-followups 8"
 # XDIST=N: the tier's tests in N pytest-xdist workers on the one GPU (the kernel groups are bound by Triton's
 # compiles, which then run in parallel); the controller writes the one gpu-tier.json
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider \
@@ -53,8 +56,7 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo_v1 --out "$E/profile-a3b48.json" ;;
   largeshapes|all)  # the 235B-A22B and Coder-480B-A35B layer geometries, 2 layers each (~12 and ~34 GB)
     for g in a22b2 a35b2; do  # mixed lengths plus a 4096-token prompt, chunked at 2048, then 8 radix-cache hits
-      run $P --mode tpo --trainer patched $V1 --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
-        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$g-t1.0.json"
+      run $P --mode tpo --trainer patched $V1 --geometry $g $LARGE --out "$E/parity-tpo-$g-t1.0.json"
     done ;;&
   longctx|all)  # YaRN x8 from 32768 to 262144 positions (tiny layers): a 262000-token prompt in the mixed batch,
     # chunked at 8192, then 8 radix-cache hits; split-KV decode past 256k keys
@@ -106,8 +108,7 @@ case $GROUP in
     run $P --mode tpo --trainer patched $F --geometry embedded --temperature 0.7 --out "$E/parity-tpo-flat-embedded-t0.7.json"
     run $P --mode tpo --trainer patched $F --geometry wide --temperature 0.7 --out "$E/parity-tpo-flat-wide-t0.7.json"
     for g in a22b2 a35b2; do
-      run $P --mode tpo --trainer patched $F --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
-        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-flat-$g-t1.0.json"
+      run $P --mode tpo --trainer patched $F --geometry $g $LARGE --out "$E/parity-tpo-flat-$g-t1.0.json"
     done
     run $P --mode tpo --trainer patched $F --geometry yarn262k --temperature 1.0 --long-prompts 1 --long-len 262000 \
       --chunked-prefill-size 8192 --radix-followups 8 --out "$E/parity-tpo-flat-yarn262k-t1.0.json"
@@ -450,8 +451,7 @@ case $GROUP in
     for c in ${MOE_CONTRACTS:-flat v1}; do
       [ $c = none ] && continue
       C=$([ $c = v1 ] && echo "$V1")
-      run $P --mode tpo --trainer patched $C --geometry a22b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
-        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-$c-a22b2-$T.json"
+      run $P --mode tpo --trainer patched $C --geometry a22b2 $LARGE --out "$E/parity-tpo-$c-a22b2-$T.json"
       run python3 -m true_on_policy.harness.stress --geometry h1536 $C --out "$E/stress-truncation-h1536-$c-$T.json"
     done
     [ "${NO48:-0}" = 1 ] && { echo "NO48=1: the 48 layers not run"; exit $rc; }
@@ -465,8 +465,8 @@ case $GROUP in
   wideparity)  # issue 37, v1: parity at the Coder-480B-A35B layer shape (2 layers; a 4096-token prompt chunked at 2048,
     # then 8 radix-cache hits), whose 320-column segments take the tree tile timed at start-up against the flat loop
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    run $P --mode tpo --trainer patched $V1 --geometry a35b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
-      --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-v1-a35b2-${WIDE_TAG:-wide}.json" ;;
+    run $P --mode tpo --trainer patched $V1 --geometry a35b2 $LARGE \
+      --out "$E/parity-tpo-v1-a35b2-${WIDE_TAG:-wide}.json" ;;
   tilechoice)  # issue 37: the decode attention's start-up choice (the default; TRUE_ON_POLICY_DECODE_TILES=fixed
     # turns it off) inside a server: h1536e256k6's plain and qwen cells, stock, tpo (the choice) and tpo_fixed (the
     # fixed tile) alternated (resumable, like space). The robustness group's h1536 stress runs the choice too
@@ -491,10 +491,8 @@ case $GROUP in
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run python3 -m true_on_policy.harness.stress --geometry h1536 $V1 --out "$E/stress-truncation-h1536-v1.json"
     for g in a22b2 a35b2; do
-      run $P --mode tpo --trainer patched $V1 --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
-        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-v1-$g-t1.0.json"
-      run $P --mode tpo --trainer patched --geometry $g --temperature 1.0 --long-prompts 1 --long-len 4096 \
-        --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-flat-$g-t1.0.json"
+      run $P --mode tpo --trainer patched $V1 --geometry $g $LARGE --out "$E/parity-tpo-v1-$g-t1.0.json"
+      run $P --mode tpo --trainer patched --geometry $g $LARGE --out "$E/parity-tpo-flat-$g-t1.0.json"
     done
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-flat.json" ;;
   w2)  # issue 37, v1's bound: the width-2 preview (qwen3_moe_true_on_policy_w2_preview_v1: o_proj and the MoE down
@@ -527,8 +525,7 @@ case $GROUP in
       tests/gpu/test_truncation_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_kernels_layouts_gpu.py \
       -k "sampl or trunc or token_logprobs or lse"
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-nozeros.json"
-    run $P --mode tpo --trainer patched --geometry a22b2 --temperature 1.0 --long-prompts 1 --long-len 4096 \
-      --chunked-prefill-size 2048 --radix-followups 8 --out "$E/parity-tpo-nozeros-a22b2-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a22b2 $LARGE --out "$E/parity-tpo-nozeros-a22b2-t1.0.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/*a22b2*
     run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
       --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-nozeros-a3b48-t1.0.json" ;;
