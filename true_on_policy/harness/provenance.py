@@ -56,7 +56,16 @@ def provenance(argv=None) -> dict:
     """Taken when a run starts; ``argv`` defaults to this process's command line."""
     return {"command": command(argv), "versions": versions(), "gpu": gpu(), "git": git_state(),
             "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "host": socket.gethostname()}
+            "host": socket.gethostname(), "compile_caches": compile_caches()}
+
+
+def compile_caches() -> dict | None:
+    """The compile caches this host took from an earlier lease (``tests/gpu/jit_cache.sh restore``: their sha256
+    and when), which make a first start faster than a cold one; None where it built its own."""
+    try:
+        return json.loads((Path.home() / ".cache" / "true_on_policy" / "compile-caches.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def versions() -> dict:
