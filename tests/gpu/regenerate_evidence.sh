@@ -33,9 +33,12 @@ LARGE="--temperature 1.0 --long-prompts 1 --long-len 4096 --chunked-prefill-size
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider \
   ${XDIST:+-n "$XDIST"} "$@"; }
 rc=0
-# the 235B-A22B layer shape's depth that fits this card: its H200 depth on a card of over 100 GB, else its H100 depth
-a22b_depth() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] \
-  && echo a22b_h200 || echo a22b_h100; }
+# a geometry by name, a big layer shape (a22b, a35b) at the depth that fits this card: its H200 depth on a card of
+# over 100 GB, else its H100 depth
+depth() { case $1 in
+  a22b|a35b) [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] \
+    && echo "$1_h200" || echo "$1_h100" ;;
+  *) echo "$1" ;; esac; }
 run() { "$@" || { rc=1; echo "FAILED: $*"; }; }
 case $GROUP in
   parity|all)
@@ -166,7 +169,8 @@ case $GROUP in
     done ;;
   space|tailprofile)  # issue 37: the geometries of benchmarks/geometries.py (GEOMETRY=<name>: one of them; one run
     # each; by default five, the two big layer shapes at an H200's depth: on an 80 GB card name a22b_h100 and
-    # a35b_h100 instead), their checkpoints in RAM (--make-room drops the other geometries' ones first). space: throughput of the
+    # a35b_h100 instead, or a22b and a35b for the depth that fits the card), their checkpoints in RAM (--make-room
+    # drops the other geometries' ones first). space: throughput of the
     # workloads plain, qwen (Qwen3's top_k/top_p in every request), tail (RL-like lengths) and long over HTTP, one engine
     # at a time, stock (its flashinfer sampling for qwen, SGLang's own backend choice, and both with the MoE tiles tuned
     # for the shape, stock_moe and stock_fi_moe) against both contracts, each
@@ -183,6 +187,7 @@ case $GROUP in
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     B="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks"
     for g in ${GEOMETRY:-a3b48 a22b_h200 a35b_h200 h3072e64k4 h1536e256k6}; do
+      g=$(depth "$g")
       if [ "$GROUP" = space ]; then
         run $B/throughput.py --geometry "$g" --workload ${WORKLOADS:-plain qwen tail long} \
           --variants ${VARIANTS:-stock stock_fi stock_moe stock_fi_moe stock_flashinfer stock_auto tpo tpo_v1} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 \
@@ -405,7 +410,7 @@ case $GROUP in
     # then the 235B-A22B layer shape's plain and qwen cells (GEOMETRY; unset: the depth that fits the card) against
     # both tuned stocks, the default and v1 (resumable)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    G=${GEOMETRY:-$(a22b_depth)}
+    G=$(depth ${GEOMETRY:-a22b})
     for m in a22b_h100 a3b48; do
       run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --moe-geometry "$m" --gemms down \
         --tokens 512 2048 4096 8192 --out "$E/bench-tree-down-$m.json"
@@ -427,7 +432,7 @@ case $GROUP in
     # WORKLOADS: the 235B-A22B line's; VARIANTS48 and WORKLOADS48: the 48 layers' line's; ROWS_TAG: the files' tag
     # (default v1rows)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
-    G=${GEOMETRY:-$(a22b_depth)}
+    G=$(depth ${GEOMETRY:-a22b})
     ROWS=" ${ROWS:-tier a22b a3b48} "
     [[ $ROWS == *" tier "* ]] && run tier gpu-tier-seg-rows tests/gpu/test_kernels_gpu.py \
       -k "program_order or seg_tree_equals_flat or seg_tree_tma_equals_pointer or tree_tile_choice or wide_segment_choice"
