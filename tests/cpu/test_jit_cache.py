@@ -1,7 +1,7 @@
 """tests/gpu/jit_cache.sh: the GPU host's compile caches (Triton's, flashinfer's, the stock MoE tunings) packed into
 parts one device call can return, and unpacked on the next lease's machine bit for bit once every part has come,
 over several calls if need be; parts of two saves refused; Triton's cache left out where the whole would take more
-parts than one call returns; and the evidence written after a restore names it (provenance's compile_caches)."""
+parts than one call returns, and nothing saved where even the rest would; and the evidence written after a restore names it (provenance's compile_caches)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,12 @@ def test_a_host_that_restored_nothing_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert pv.compile_caches() is None and pv.provenance(["x"])["compile_caches"] is None
     json.dumps(pv.provenance(["x"]))
+
+
+def test_nothing_is_saved_where_even_the_small_caches_would_not_come_back_in_one_call(tmp_path):
+    files, env = _host(tmp_path, 64 * 1024)
+    next(p for p in files if p.suffix == ".so").write_bytes(os.urandom(3 * MIB))
+    out = tmp_path / "jit"
+    r = _run(env, "save", out, MAX_PARTS="2")
+    assert r.returncode == 5 and "nothing saved" in r.stderr, r.stderr
+    assert not list(out.glob("jit*"))

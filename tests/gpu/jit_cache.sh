@@ -12,7 +12,8 @@
 #                                             # there, unpack them (exit 3: parts still missing, 4: checksum)
 #
 # save leaves out Triton's cache (flashinfer's and the tunings are small) when the whole would take more than
-# MAX_PARTS parts (default 6); the parts are xz-compressed tar of absolute paths.
+# MAX_PARTS parts (default 6), and saves nothing (exit 5) where even that would; the parts are xz-compressed tar of
+# absolute paths.
 set -euo pipefail
 MODE=${1:?save or restore}
 DIR=${2:?a folder}
@@ -41,6 +42,8 @@ case $MODE in
       echo "jit_cache.sh: $(($(stat -c %s "$tmp") >> 20)) MiB with Triton's cache, over ${MAX_PARTS:-6} parts:" \
         "saving flashinfer's cache and the tunings alone" >&2
       kept=$(pack "$tmp" "$FI_DIR" "$TUNED_DIR")
+      [ $(( ($(stat -c %s "$tmp") + PART - 1) / PART )) -le "${MAX_PARTS:-6}" ] || {
+        echo "jit_cache.sh: $(($(stat -c %s "$tmp") >> 20)) MiB even without it; nothing saved" >&2; exit 5; }
     fi
     split -b "$PART" -d -a 2 "$tmp" "$DIR/jit-"
     (cd "$DIR" && ls jit-[0-9][0-9] > jit.parts)
