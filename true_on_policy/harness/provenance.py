@@ -64,7 +64,7 @@ def compile_caches() -> dict | None:
     and when), which make a first start faster than a cold one; None where it built its own."""
     try:
         return json.loads((Path.home() / ".cache" / "true_on_policy" / "compile-caches.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: no home directory
         return None
 
 
