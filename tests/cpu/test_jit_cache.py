@@ -1,7 +1,8 @@
 """tests/gpu/jit_cache.sh: the GPU host's compile caches (Triton's, flashinfer's, the stock MoE tunings) packed into
 parts one device call can return, and unpacked on the next lease's machine bit for bit once every part has come,
 over several calls if need be; parts of two saves refused; Triton's cache left out where the whole would take more
-parts than one call returns, and nothing saved where even the rest would; and the evidence written after a restore names it (provenance's compile_caches)."""
+parts than one call returns, and nothing saved where even the rest would; and the evidence written after a restore
+names it (provenance's compile_caches)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def test_tritons_cache_is_left_out_where_the_whole_would_not_come_back_in_one_ca
         path.unlink()
     assert _run(env, "restore", out).returncode == 0
     back = {path.relative_to(tmp_path).as_posix() for path in files if path.exists()}
-    assert back == {"home/.cache/flashinfer/0.6/90/sampling.so", "shm/tpo-cache/stock-moe/qwen3-moe-a35b_h100-x/tuned.json"}
+    assert back == {"home/.cache/flashinfer/0.6/90/sampling.so",
+                    "shm/tpo-cache/stock-moe/qwen3-moe-a35b_h100-x/tuned.json"}
 
 
 def test_a_host_that_restored_nothing_says_so(tmp_path, monkeypatch):

@@ -48,8 +48,8 @@ case $MODE in
     split -b "$PART" -d -a 2 "$tmp" "$DIR/jit-"
     (cd "$DIR" && ls jit-[0-9][0-9] > jit.parts)
     sha256sum "$tmp" | cut -c1-64 > "$DIR/jit.sha256"
-    echo "jit_cache.sh: saved /${kept// / \/} as $(wc -l < "$DIR/jit.parts") part(s), $(($(stat -c %s "$tmp") >> 20)) MiB," \
-      "sha256 $(cat "$DIR/jit.sha256")" ;;
+    echo "jit_cache.sh: saved /${kept// / \/} as $(wc -l < "$DIR/jit.parts") part(s)," \
+      "$(($(stat -c %s "$tmp") >> 20)) MiB, sha256 $(cat "$DIR/jit.sha256")" ;;
   restore)
     [ -f "$DIR/jit.parts" ] && [ -f "$DIR/jit.sha256" ] || { echo "jit_cache.sh: no jit.parts in $DIR" >&2; exit 2; }
     mkdir -p "$STASH"
