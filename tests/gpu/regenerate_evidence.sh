@@ -28,6 +28,10 @@ V1="--contract qwen3_moe_true_on_policy_v1"
 # the large layer shapes' parity traffic (2 layers): mixed lengths plus a 4096-token prompt chunked at 2048, then 8
 # radix-cache hits, at T = 1
 LARGE="--temperature 1.0 --long-prompts 1 --long-len 4096 --chunked-prefill-size 2048 --radix-followups 8"
+# the 30B-A3B geometry's parity traffic (48 layers, some lines 6 first): mixed lengths plus two 8192-token prompts
+# chunked at 4096, then 8 radix-cache hits, at T = 1, CUDA graphs up to 80 sequences
+DEEP="--temperature 1.0 --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096"
+DEEP+=" --cuda-graph-max-bs 80"
 # XDIST=N: the tier's tests in N pytest-xdist workers on the one GPU (the kernel groups are bound by Triton's
 # compiles, which then run in parallel); the controller writes the one gpu-tier.json
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider \
@@ -52,8 +56,7 @@ case $GROUP in
     run $P --mode tpo --trainer patched $V1 --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-a3b6-t1.0.json"
     run $P --mode stock --trainer hf --geometry a3b6 --temperature 1.0 --out "$E/parity-stock-a3b6-t1.0.json" ;;&
   realshape48)  # the full depth: ≥ 8k-token prompts in a mixed batch, chunked prefill, radix-cache hits
-    run $P --mode tpo --trainer patched $V1 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched $V1 --geometry a3b48 $DEEP --out "$E/parity-tpo-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock deterministic tpo_v1 \
       --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo_v1 --out "$E/profile-a3b48.json" ;;
@@ -91,8 +94,7 @@ case $GROUP in
   flat)  # the tree-width-1 contract: parity at 6 and 48 layers (as realshape/realshape48), 48-layer throughput and profile
     F="--contract qwen3_moe_true_on_policy_flat_v1"
     run $P --mode tpo --trainer patched $F --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-flat-a3b6-t1.0.json"
-    run $P --mode tpo --trainer patched $F --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-flat-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched $F --geometry a3b48 $DEEP --out "$E/parity-tpo-flat-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --variants stock tpo_v1 tpo_flat \
       --new-tokens 256 --one-engine --mem 0.85 --repeats 1 --passes 3 --out "$E/throughput-flat-a3b48.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/op_profile.py --geometry a3b48 --variants stock tpo_v1 tpo_flat \
@@ -142,8 +144,7 @@ case $GROUP in
     run $T --geometry a3b48 --variants stock deterministic tpo --new-tokens 256 --mem 0.85 --http \
       --out "$E/throughput-http-cold-a3b48-default.json"
     run $P --mode tpo --trainer patched --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-default-a3b6-t1.0.json"
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-default-a3b48-t1.0.json" ;;
+    run $P --mode tpo --trainer patched --geometry a3b48 $DEEP --out "$E/parity-tpo-default-a3b48-t1.0.json" ;;
   pgpreview)  # SGLang's prefill CUDA graphs under the overlay (the previews of v1 and flat): 48-layer throughput over
     # HTTP against stock as shipped, then parity at 48 layers (chunked prefill, radix hits) and every rollout claim
     T="env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --one-engine --repeats 1 --passes 3 --resume"
@@ -151,13 +152,11 @@ case $GROUP in
       --out "$E/throughput-http-cold-a3b48-pg.json"
     for c in flat_pg pg; do  # at 6 layers first (a 7 GB checkpoint, ~2 min each), then at 48
       run $P --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_${c}_preview_v1 --geometry a3b6 \
-        --temperature 1.0 --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 \
-        --cuda-graph-max-bs 80 --out "$E/parity-tpo-${c}-a3b6-t1.0.json"
+        $DEEP --out "$E/parity-tpo-${c}-a3b6-t1.0.json"
     done
     for c in flat_pg pg; do
       run $P --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_${c}_preview_v1 --geometry a3b48 \
-        --temperature 1.0 --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096 \
-        --cuda-graph-max-bs 80 --out "$E/parity-tpo-${c}-a3b48-t1.0.json"
+        $DEEP --out "$E/parity-tpo-${c}-a3b48-t1.0.json"
     done
     run python3 -m true_on_policy.harness.acceptance --contract qwen3_moe_true_on_policy_flat_pg_preview_v1 \
       --folder "$E/acceptance-flat-pg-embedded" --resume --out "$E/acceptance-flat-pg-embedded.json" ;;
@@ -246,8 +245,7 @@ case $GROUP in
     # and tail cells (stock, tpo_silusep: the silu's own launch, the default since)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-silu-down tests/gpu/test_kernels_gpu.py -k "silu_in_down or decode_tiles_equal_pointer or align_is"
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-silu-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 $DEEP --out "$E/parity-tpo-silu-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
       --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-silu.json"
@@ -291,8 +289,7 @@ case $GROUP in
         --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
         ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-$g-dense.json"
     done
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-dense-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 $DEEP --out "$E/parity-tpo-dense-a3b48-t1.0.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-dense.json" ;;
   attnsplits)  # issue 37: the decode attention's choice times more splits (attention.choice_splits: powers of two
@@ -301,8 +298,7 @@ case $GROUP in
     # truncation stress
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-attention-splits tests/gpu/test_kernels_gpu.py -k attention_tiles
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-splits-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 $DEEP --out "$E/parity-tpo-splits-a3b48-t1.0.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/qwen3-moe-a3b48-*
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-splits.json" ;;
   flatloop)  # issue 37: the decode attention's flat loop (a tile's loop="flat": one loop over every block of a
@@ -325,8 +321,7 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail qwen \
       --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-flatloop.json"
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-flatloop-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched --geometry a3b48 $DEEP --out "$E/parity-tpo-flatloop-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a22b_h200 --workload plain tail \
       --variants stock tpo --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a22b_h200.json"
@@ -464,8 +459,7 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/geometries.py --ensure a3b48 --make-room
     for c in ${MOE48:-flat $([ "${V1_48:-0}" = 1 ] && echo v1)}; do
       C=$([ $c = v1 ] && echo "$V1")
-      run $P --mode tpo --trainer patched $C --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-        --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-$c-a3b48-$T.json"
+      run $P --mode tpo --trainer patched $C --geometry a3b48 $DEEP --out "$E/parity-tpo-$c-a3b48-$T.json"
     done ;;
   wideparity)  # issue 37, v1: parity at the Coder-480B-A35B layer shape (2 layers; a 4096-token prompt chunked at 2048,
     # then 8 radix-cache hits), whose 320-column segments take the tree tile timed at start-up against the flat loop
@@ -488,8 +482,7 @@ case $GROUP in
     run tier gpu-tier-seg-split tests/gpu/test_kernels_gpu.py -k seg_split
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down o_proj --tokens 512 2048 4096 8192 \
       --out "$E/bench-seg-split.json"
-    run $P --mode tpo --trainer patched $V1 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-v1-a3b48-t1.0.json" ;;
+    run $P --mode tpo --trainer patched $V1 --geometry a3b48 $DEEP --out "$E/parity-tpo-v1-a3b48-t1.0.json" ;;
   contracts)  # issue 37's parity acceptance under both contracts: the 235B-A22B and Coder-480B-A35B layer shapes
     # (2 layers each; mixed lengths plus a 4096-token prompt chunked at 2048, then 8 radix-cache hits) under v1 and under
     # the flat default, and the truncation stress on h1536 (a geometry of our own) under each
@@ -513,8 +506,7 @@ case $GROUP in
       o_proj_flat --tokens 64 512 4096 8192 --out "$E/bench-w2-gemms.json"
     run $P --mode tpo --trainer patched $W2 --geometry a3b6 --temperature 1.0 --out "$E/parity-tpo-w2-a3b6-t1.0.json"
     run python3 -m true_on_policy.harness.stress --geometry h1536 $W2 --out "$E/stress-truncation-h1536-w2.json"
-    run $P --mode tpo --trainer patched $W2 --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-w2-a3b48-t1.0.json"
+    run $P --mode tpo --trainer patched $W2 --geometry a3b48 $DEEP --out "$E/parity-tpo-w2-a3b48-t1.0.json"
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
       --variants stock tpo_v1 tpo_w2 --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http --make-room --resume \
       ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-w2.json"
@@ -532,8 +524,7 @@ case $GROUP in
     run python3 -m true_on_policy.harness.stress --geometry h1536 --out "$E/stress-truncation-h1536-nozeros.json"
     run $P --mode tpo --trainer patched --geometry a22b2 $LARGE --out "$E/parity-tpo-nozeros-a22b2-t1.0.json"
     rm -rf "$TRUE_ON_POLICY_CACHE"/*a22b2*
-    run $P --mode tpo --trainer patched --geometry a3b48 --temperature 1.0 --long-prompts 2 --long-len 8192 \
-      --radix-followups 8 --chunked-prefill-size 4096 --cuda-graph-max-bs 80 --out "$E/parity-tpo-nozeros-a3b48-t1.0.json" ;;
+    run $P --mode tpo --trainer patched --geometry a3b48 $DEEP --out "$E/parity-tpo-nozeros-a3b48-t1.0.json" ;;
   tp2)
     run tier gpu-tier-collectives tests/gpu/test_kernels_dist_gpu.py
     run python3 -m true_on_policy.harness.parity --mode tpo --trainer patched --contract qwen3_moe_true_on_policy_tp_preview_v1 \
