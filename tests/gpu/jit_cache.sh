@@ -22,7 +22,7 @@ FI_DIR=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
 TUNED_DIR=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}/stock-moe
 STASH=${JIT_STASH:-/tmp/tpo-jit-stash}
 MARK=$HOME/.cache/true_on_policy/compile-caches.json  # provenance.compile_caches reads it
-PART=$(( ${PART_MIB:-15} * 1024 * 1024 ))
+PART=$(( ${PART_MIB:-15} * 1024 * 1024 )) MAX=${MAX_PARTS:-6}
 
 pack() {  # pack DEST DIRS...: the existing folders, as paths below /
   local dest=$1 rel=() d; shift
@@ -31,6 +31,8 @@ pack() {  # pack DEST DIRS...: the existing folders, as paths below /
   tar -C / -cf - "${rel[@]}" | xz -6 -T0 > "$dest"
   echo "${rel[*]}"
 }
+mib() { echo $(( $(stat -c %s "$1") >> 20 )); }
+fits() { [ $(( ($(stat -c %s "$1") + PART - 1) / PART )) -le "$MAX" ]; }  # fits FILE: in at most MAX parts
 
 case $MODE in
   save)
@@ -38,18 +40,17 @@ case $MODE in
     mkdir -p "$DIR" && rm -f "$DIR"/jit-* "$DIR"/jit.parts "$DIR"/jit.sha256
     tmp=$(mktemp) && trap 'rm -f "$tmp"' EXIT
     kept=$(pack "$tmp" "$TRITON_DIR" "$FI_DIR" "$TUNED_DIR")
-    if [ $(( ($(stat -c %s "$tmp") + PART - 1) / PART )) -gt "${MAX_PARTS:-6}" ]; then
-      echo "jit_cache.sh: $(($(stat -c %s "$tmp") >> 20)) MiB with Triton's cache, over ${MAX_PARTS:-6} parts:" \
+    if ! fits "$tmp"; then
+      echo "jit_cache.sh: $(mib "$tmp") MiB with Triton's cache, over $MAX parts:" \
         "saving flashinfer's cache and the tunings alone" >&2
       kept=$(pack "$tmp" "$FI_DIR" "$TUNED_DIR")
-      [ $(( ($(stat -c %s "$tmp") + PART - 1) / PART )) -le "${MAX_PARTS:-6}" ] || {
-        echo "jit_cache.sh: $(($(stat -c %s "$tmp") >> 20)) MiB even without it; nothing saved" >&2; exit 5; }
+      fits "$tmp" || { echo "jit_cache.sh: $(mib "$tmp") MiB even without it; nothing saved" >&2; exit 5; }
     fi
     split -b "$PART" -d -a 2 "$tmp" "$DIR/jit-"
     (cd "$DIR" && ls jit-[0-9][0-9] > jit.parts)
     sha256sum "$tmp" | cut -c1-64 > "$DIR/jit.sha256"
     echo "jit_cache.sh: saved /${kept// / \/} as $(wc -l < "$DIR/jit.parts") part(s)," \
-      "$(($(stat -c %s "$tmp") >> 20)) MiB, sha256 $(cat "$DIR/jit.sha256")" ;;
+      "$(mib "$tmp") MiB, sha256 $(cat "$DIR/jit.sha256")" ;;
   restore)
     [ -f "$DIR/jit.parts" ] && [ -f "$DIR/jit.sha256" ] || { echo "jit_cache.sh: no jit.parts in $DIR" >&2; exit 2; }
     mkdir -p "$STASH"
