@@ -21,6 +21,7 @@ mkdir -p evidence/tier-$1
 echo "{\\"group\\": \\"$1\\", \\"budget\\": $TIME_BUDGET, \\"var\\": \\"${VAR:-}\\", \\"commit\\": \\"$TRUE_ON_POLICY_GIT_COMMIT\\"}" \\
   > evidence/tier-$1/out.json
 echo "ran $1"
+exit "${EXIT:-0}"
 """
 
 
@@ -85,3 +86,12 @@ def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_pa
     assert r.returncode == 0 and "ALL-DONE" in r.stdout, r.stdout + r.stderr
     out = json.loads((tmp_path / "out" / "ev" / "evidence" / "tier-g1" / "out.json").read_text())
     assert out["commit"] == commits[1]
+
+
+def test_each_jobs_exit_status_is_logged(tmp_path):
+    repo, env = _checkout(tmp_path, "bad g1 EXIT=3\ngood g2\n")
+    r = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": "c" * 40},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ALL-DONE" in r.stdout, r.stdout + r.stderr
+    log = (tmp_path / "out" / "ev" / "jobs.log").read_text()
+    assert "bad rc=3" in log and "good rc=0" in log, log

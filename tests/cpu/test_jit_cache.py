@@ -48,6 +48,8 @@ def test_the_caches_come_back_bitwise_once_every_part_has_come(tmp_path, monkeyp
     saved = tmp_path / "out" / "jit"
     r = _run(env, "save", saved)
     assert r.returncode == 0, r.stderr
+    home = env["HOME"]  # what a first start built, each folder's size
+    assert f"\t{home}/.cache/flashinfer\n" in r.stderr and f"\t{home}/.triton/cache\n" in r.stderr, r.stderr
     parts = (saved / "jit.parts").read_text().split()
     assert len(parts) == 4 and all((saved / p).stat().st_size <= MIB for p in parts), parts
     for path in files:

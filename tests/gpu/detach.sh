@@ -56,8 +56,10 @@ while read -r line; do
   left=$(( DEADLINE - $(date +%s) ))
   if [ $((left - reserve)) -lt 60 ]; then echo "$(date +%T) $name skipped: $left s left, $reserve reserved" >> $D/jobs.log; continue; fi
   echo "$(date +%T) $name start ($group ${vars[*]}), $left s left" >> $D/jobs.log
-  timeout "$left" env TIME_BUDGET=$((left - reserve)) "${vars[@]}" bash "$REGEN" "$group" > "$D/logs/$name.log" 2>&1
-  echo "$(date +%T) $name rc=$?" >> $D/jobs.log
+  timeout "$left" env PYTHONUNBUFFERED=1 TIME_BUDGET=$((left - reserve)) "${vars[@]}" bash "$REGEN" "$group" \
+    > "$D/logs/$name.log" 2>&1
+  rc=$?  # 124: killed at the deadline
+  echo "$(date +%T) $name rc=$rc" >> $D/jobs.log
 done < $D/jobs.txt
 touch $D/done
 RUN

@@ -36,7 +36,7 @@ fits() { [ $(( ($(stat -c %s "$1") + PART - 1) / PART )) -le "$MAX" ]; }  # fits
 
 case $MODE in
   save)
-    du -sh "$HOME"/.cache/* "$HOME"/.triton/* 2> /dev/null >&2 || true  # what else a first start built
+    du -sh "$HOME"/.cache/* "$HOME"/.triton/* >&2 2> /dev/null || true  # what else a first start built
     mkdir -p "$DIR" && rm -f "$DIR"/jit-* "$DIR"/jit.parts "$DIR"/jit.sha256
     tmp=$(mktemp) && trap 'rm -f "$tmp"' EXIT
     kept=$(pack "$tmp" "$TRITON_DIR" "$FI_DIR" "$TUNED_DIR")
