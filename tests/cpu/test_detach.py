@@ -1,7 +1,7 @@
 """tests/gpu/detach.sh, with a stand-in for regenerate_evidence.sh: the jobs run detached in a copy of the
 checkout, one after another, each with what is left before the deadline less its reserve as TIME_BUDGET and its own
-variables; a job without a minute skipped; the watch brings back only the evidence written since the start (whole
-folders kept), the jobs' log and each job's log; the copy the jobs ran in hashes as the checkout (the source hash
+variables; a job left less than its MIN (a minute by default) skipped; each job's exit status logged; the watch
+brings back only the evidence written since the start (whole folders kept), the jobs' log and each job's log; the copy the jobs ran in hashes as the checkout (the source hash
 an evidence file records, which provenance --verify checks against the claimed commit)."""
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ def test_a_claimed_commit_that_is_not_the_checkouts_source_starts_nothing(tmp_pa
     assert out["commit"] == commits[1]
 
 
-def test_each_jobs_exit_status_is_logged(tmp_path):
-    repo, env = _checkout(tmp_path, "bad g1 EXIT=3\ngood g2\n")
+def test_each_jobs_exit_status_is_logged_and_a_job_left_less_than_its_min_is_skipped(tmp_path):
+    repo, env = _checkout(tmp_path, "bad g1 EXIT=3\nbig g3 MIN=1200\ngood g2 MIN=500\n")
     r = subprocess.run(["bash", "tests/gpu/detach.sh"], cwd=repo, env={**env, "TRUE_ON_POLICY_GIT_COMMIT": "c" * 40},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ALL-DONE" in r.stdout, r.stdout + r.stderr
     log = (tmp_path / "out" / "ev" / "jobs.log").read_text()
     assert "bad rc=3" in log and "good rc=0" in log, log
+    assert "big skipped" in log and "1200 needed" in log and not (tmp_path / "w" / "evidence" / "tier-g3").exists(), log

@@ -6,14 +6,15 @@
 #     bash tests/gpu/detach.sh       # copy the checkout, start the jobs, then watch
 #   MODE=watch END_AT=<epoch s> OUT=<dir> bash tests/gpu/detach.sh          # watch again, from a later command
 #
-# JOBS_FILE: one job a line, NAME GROUP [VAR=value ...] (bash words: quote a value with spaces); the variables go to
-# the group, and RESERVE=<s> keeps that many seconds of the deadline for the jobs after it. A job gets what is left
-# before DEADLINE less its RESERVE as TIME_BUDGET (the throughput lines stop before a pass that would not end in
-# it) and is killed at the deadline; one with under a minute left is skipped. The copy ($W, without .git) records
-# TRUE_ON_POLICY_GIT_COMMIT as the commit it claims (provenance --verify checks it against the source); a claim that
-# is not a full hash, or that this checkout's git history holds and that does not hash as the copy, stops the start
-# with exit 2 and nothing run; the driver and its logs live in the copy's .detach/, which the source hash leaves
-# out, so the copy hashes as the checkout.
+# JOBS_FILE: one job a line, NAME GROUP [VAR=value ...] (bash words: quote a value with spaces); the variables go to the
+# group, RESERVE=<s> keeps that many seconds of the deadline for the jobs after it, and MIN=<s> (default 60) is the
+# least a job needs to start. A job gets what is left before DEADLINE less its RESERVE as TIME_BUDGET (the throughput
+# lines stop before a pass that would not end in it) and is killed at the deadline; one with less than its MIN left
+# (less its RESERVE) is skipped, so a watch sees ALL-DONE early rather than waiting out a job that can do nothing
+# useful. The copy ($W, without .git) records TRUE_ON_POLICY_GIT_COMMIT as the commit it claims (provenance --verify
+# checks it against the source); a claim that is not a full hash, or that this checkout's git history holds and that
+# does not hash as the copy, stops the start with exit 2 and nothing run; the driver and its logs live in the copy's
+# .detach/, which the source hash leaves out, so the copy hashes as the checkout.
 # Watching waits until END_AT or the last job's end, then puts under $OUT/ev the evidence files written since the
 # start (also as new-evidence.tgz, whole folders kept), jobs.log (each job's start, seconds left and exit status)
 # and the tail of each job's log; it prints jobs.log, ALL-DONE once every job ended, and each log's last lines.
@@ -51,10 +52,14 @@ while read -r line; do
   [ -z "${line// }" ] && continue
   eval "set -- $line"
   name=$1 group=$2; shift 2
-  reserve=0 vars=()
-  for v in "$@"; do case $v in RESERVE=*) reserve=${v#RESERVE=} ;; *) vars+=("$v") ;; esac; done
+  reserve=0 min=60 vars=()
+  for v in "$@"; do
+    case $v in RESERVE=*) reserve=${v#RESERVE=} ;; MIN=*) min=${v#MIN=} ;; *) vars+=("$v") ;; esac
+  done
   left=$(( DEADLINE - $(date +%s) ))
-  if [ $((left - reserve)) -lt 60 ]; then echo "$(date +%T) $name skipped: $left s left, $reserve reserved" >> $D/jobs.log; continue; fi
+  if [ $((left - reserve)) -lt "$min" ]; then
+    echo "$(date +%T) $name skipped: $left s left, $reserve reserved, $min needed" >> $D/jobs.log; continue
+  fi
   echo "$(date +%T) $name start ($group ${vars[*]}), $left s left" >> $D/jobs.log
   timeout "$left" env PYTHONUNBUFFERED=1 TIME_BUDGET=$((left - reserve)) "${vars[@]}" bash "$REGEN" "$group" \
     > "$D/logs/$name.log" 2>&1
