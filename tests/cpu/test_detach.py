@@ -1,8 +1,9 @@
-"""tests/gpu/detach.sh, with a stand-in for regenerate_evidence.sh: the jobs run detached in a copy of the
-checkout, one after another, each with what is left before the deadline less its reserve as TIME_BUDGET and its own
-variables; a job left less than its MIN (a minute by default) skipped; each job's exit status logged; the watch
-brings back only the evidence written since the start (whole folders kept), the jobs' log and each job's log; the copy the jobs ran in hashes as the checkout (the source hash
-an evidence file records, which provenance --verify checks against the claimed commit)."""
+"""tests/gpu/detach.sh, with a stand-in for regenerate_evidence.sh: the jobs run detached in a copy of the checkout,
+one after another, each with what is left before the deadline less its reserve as TIME_BUDGET and its own variables;
+a job left less than its MIN (a minute by default) skipped; each job's exit status logged; the watch brings back
+only the evidence written since the start (whole folders kept), the jobs' log and each job's log; the copy the jobs
+ran in hashes as the checkout (the source hash an evidence file records, which provenance --verify checks against
+the claimed commit)."""
 
 from __future__ import annotations
 
