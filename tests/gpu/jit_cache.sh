@@ -62,9 +62,11 @@ case $MODE in
       exit 3
     fi
     want=$(cat "$DIR/jit.sha256")
-    got=$(cd "$STASH" && cat $(cat "$DIR/jit.parts") | sha256sum | cut -c1-64)
+    whole=$(mktemp) && trap 'rm -f "$whole"' EXIT
+    (cd "$STASH" && cat $(cat "$DIR/jit.parts")) > "$whole"  # the parts joined once, checked, then unpacked
+    got=$(sha256sum "$whole" | cut -c1-64)
     [ "$got" = "$want" ] || { echo "jit_cache.sh: checksum $got, not $want: parts of two saves" >&2; exit 4; }
-    (cd "$STASH" && cat $(cat "$DIR/jit.parts")) | xz -d | tar -C / -xf -
+    xz -d < "$whole" | tar -C / -xf -
     mkdir -p "$(dirname "$MARK")"
     printf '{"sha256": "%s", "restored_at": "%s"}\n' "$want" "$(date -u +%FT%TZ)" > "$MARK"
     echo "jit_cache.sh: restored $want" ;;
