@@ -8,17 +8,19 @@ with one kernel that reads K/V through ``req_to_token`` rows: the same code and 
 per-row bits whether a position is computed in a prefill, after a cached prefix, or as a single
 decode step -- and the trainer runs the same kernel on contiguous tensors. Decode is graph-safe
 (static shapes). The K/V write is the contract's RoPE launch where SGLang fuses it into RoPE (a bf16
-cache on CUDA: patches/rope.py), else SGLang's own ``_set_kv_buffer`` here.
+cache on CUDA: patches/rope.py), else SGLang's own ``_set_kv_buffer`` here. SGLang's split-KV decode
+scratch, which no replaced path reads, is held at one split (``one_split``).
 """
 
 from __future__ import annotations
 
 from true_on_policy import env
 from true_on_policy.manifest import PatchRecord
-from true_on_policy.patching import PatchError, env_choice, replacing, wrap
+from true_on_policy.patching import PatchError, after, env_choice, replacing, wrap
 
 EXTEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._forward_extend_unified"
 DECODE = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_decode"
+INIT = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
 
 
 def prefill_loop_mode() -> str:
@@ -114,15 +116,24 @@ def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=No
     return _run(self, layer, forward_batch, q, o, None, None, None, 1, seq_lens=forward_batch.seq_lens[:q.shape[0]])
 
 
+def one_split(_result, backend, *args, **kwargs):
+    """The backend's split-KV decode scratch at one split. SGLang sizes it (``attn_logits``: tokens x heads x
+    ``max_kv_splits`` x head_dim fp32, and ``attn_lse``; zeroed once for the decode graphs, allocated at each eager
+    decode step) for its own split-KV kernel, and deterministic inference makes ``max_kv_splits``
+    ceil(context_len / split tile): 1,024 at a 262,144-token context, 12 GiB at 256 graph tokens and 96 heads,
+    taken from the headroom the KV pool leaves. ``tpo_decode`` replaces that kernel and reads none of it."""
+    backend.max_kv_splits = 1
+
+
 def apply(policy) -> PatchRecord:
     loop = prefill_loop_mode()  # a bad value is refused as the patches install
     from true_on_policy.kernels import attention
 
     attention.set_prefill_loop("nested" if loop == "choose" else loop)
     attention.clear_prefill_tiles()
-    reps = [wrap(EXTEND, replacing(tpo_extend)), wrap(DECODE, replacing(tpo_decode))]
+    reps = [wrap(EXTEND, replacing(tpo_extend)), wrap(DECODE, replacing(tpo_decode)), wrap(INIT, after(one_split))]
     how = {"flat": "in the flat loop (TRUE_ON_POLICY_PREFILL_LOOP=flat)", "nested": "in the nested loop",
            "choose": "in the tile timed at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose; the nested loop until then)"}
     return PatchRecord.of("attention_backend", reps,
                           ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows; the prefill "
-                           + how[loop]])
+                           + how[loop], "SGLang's split-KV decode scratch at one split (its split-KV kernel never runs)"])

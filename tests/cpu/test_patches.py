@@ -42,7 +42,7 @@ import sglang.srt.models.qwen3_moe as q, sglang.srt.managers.tp_worker as w
 orig = (q.Qwen3MoeAttention.__init__, w.TpModelWorker.__init__)  # a tuple: not rewritten
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 lines = [l for p in m.patches for l in p.replacements]
-assert len(lines) == len(patching.applied()) == 38, lines
+assert len(lines) == len(patching.applied()) == 39, lines
 assert [p.patch for p in m.patches] == ['tp_worker', 'weights', 'weight_updates', 'layernorm', 'linear', 'communicator', 'rope',
                                         'attention_backend', 'sampler', 'qwen3_moe', 'pipeline', 'cuda_graph',
                                         'scheduler_guard']
@@ -73,7 +73,7 @@ from true_on_policy.contract.policy import RuntimePolicy
 m = patches.apply_all(RuntimePolicy(get_contract('qwen3_moe_true_on_policy_v1'), 'scheduler'))
 patched = json.loads(json.dumps(m.to_dict()['patches']))
 syms = [s for p in patched for s in p['symbols']]
-assert len(syms) == 38 and all(s['installed'] for s in syms), syms
+assert len(syms) == 39 and all(s['installed'] for s in syms), syms
 for s in syms:
     assert s['original'] != s['replacement'] and s['replacement'].startswith('true_on_policy.patches.'), s
     assert not s['original'].startswith('true_on_policy'), s
@@ -214,6 +214,41 @@ for t in list(patching.applied()):
 assert all(TM.__dict__[n] is f for n, f in before.items())
 assert all(MIX.__dict__[n] is f for n, f in mix.items())
 assert Engine.__dict__['_serialize_tensors_per_rank'] is keep['serialize']
+print('ok')
+"""
+    r = run_py(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_attention_backend_holds_its_split_kv_scratch_at_one_split():
+    """Deterministic mode sizes the Triton backend's split-KV scratch by the context (262,144 tokens: 1,024 splits,
+    12 GiB of decode-graph fp32 at 96 heads and 256 tokens); under the contract, whose decode never runs that
+    kernel, the backend SGLang builds holds one split. SGLang's constructor is stood in for by one that sets what it
+    sets in deterministic mode (a backend needs a model runner), and the patch wraps that."""
+    code = """
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from true_on_policy import patching
+from true_on_policy.patches import attention_backend
+
+def deterministic_init(self, model_runner=None):
+    self.num_head, self.v_head_dim, self.swa_v_head_dim, self.device = 96, 128, None, 'cpu'
+    self.max_context_len, self.split_tile_size = 262144, 256
+    self.max_kv_splits = -(-self.max_context_len // self.split_tile_size)
+    self.is_draft_runner = self.skip_prefill = False
+    self.num_draft_tokens, self.sliding_window_size, self.use_sliding_window_kv_pool = None, None, False
+    self._translate_kv_loc = None
+
+TritonAttnBackend.__init__ = deterministic_init
+stock = TritonAttnBackend()
+stock.init_cuda_graph_state(2, 2)
+assert stock.max_kv_splits == 1024 and tuple(stock.cuda_graph_attn_logits.shape) == (2, 96, 1024, 128)
+rec = attention_backend.apply(None)
+assert any(s['target'] == attention_backend.INIT and s['installed'] and s['kind'] == 'after' for s in rec.symbols)
+b = TritonAttnBackend()
+b.init_cuda_graph_state(2, 2)
+assert b.max_kv_splits == 1 and tuple(b.cuda_graph_attn_logits.shape) == (2, 96, 1, 128), b.cuda_graph_attn_logits.shape
+assert tuple(b.cuda_graph_attn_lse.shape) == (2, 96, 1) and b.split_tile_size == 256
+assert patching.undo(attention_backend.INIT) and TritonAttnBackend.__init__ is deterministic_init
 print('ok')
 """
     r = run_py(code)
