@@ -193,6 +193,7 @@ class Run:
                       for w in self.workloads}
         self.passes = {w: {v: [] for v in a.variants if runs(v, w)} for w in self.workloads}
         self.engines, self.starts, self.failed, self.mems, self.earlier = {}, [], {}, {}, []
+        self.stopped: str | None = None  # a variant the run needs did not start: why (never resumed from)
         self.t0 = _now() if t0 is None else t0  # --time-budget counts from here
         self.too_long: float | None = None  # a step that fits no call under --time-budget: its estimate
 
@@ -242,6 +243,7 @@ class Run:
             write_evidence(self.a.out, {**self.record(), "geometry_record": self.geometry, "alternated": True,
                                         "complete": self.complete(), "mem_fraction_static": self.mems,
                                         "engines": self.engines, "starts": self.starts, "failed": self.failed,
+                                        **({"stopped": self.stopped} if self.stopped else {}),
                                         "results": results, "table": text,
                                         **({"resumed_from": self.earlier} if self.earlier else {})}, self.prov)
 
@@ -310,6 +312,8 @@ def _start(run: Run, v: str, mem: float):
         var = _Variant(v, run.a, run.model_path, mem, [w for w in run.workloads if runs(v, w)])
     except StartFailed as e:
         if v not in OPTIONAL:
+            run.stopped = str(e)[-2000:]
+            run.report()
             raise
         run.failed[v] = str(e)[-2000:]
         print(f"{v} did not start; left out: {str(e)[-400:]}", flush=True)

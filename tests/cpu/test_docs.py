@@ -142,7 +142,11 @@ def test_the_space_table_takes_each_contracts_newest_run_and_counts_every_cell(t
         "a35b_h100", "2026-01-05T00:00:00+00:00", {"tail": [("stock", 100.0), ("tpo", 96.0), ("tpo_v1", 89.0)],
                                                    "long": [("stock", 1000.0), ("tpo", 948.0), ("tpo_v1", 899.6)]},
         {"stock": None, "tpo": "flat_v1", "tpo_v1": "v1"}))
+    stopped = _space_run("h3072e64k4", "2026-01-06T00:00:00+00:00", {"plain": [("stock", 100.0)]}, {"stock": None})
+    _write(ev / "throughput-space-h3072e64k4-s.json", {**stopped, "complete": False,
+                                                        "stopped": "tpo: RuntimeError: server exited with rc -9"})
     text = rv.render(tmp_path)
+    assert [ln for ln in text.splitlines() if "h3072e64k4-s.json" in ln and "| no: tpo did not start |" in ln]
     line = {tuple(c.strip() for c in ln.split("|")[1:3]): ln for ln in text.splitlines()
             if ln.startswith("| ") and ln.split("|")[2].strip() in rv.SPACE_WORKLOADS}  # the space table's rows
     assert "**0.92x**" in line["a22b_h200", "plain"].split("|")[3] and "**0.97x**" in line["a22b_h100", "plain"].split("|")[3]

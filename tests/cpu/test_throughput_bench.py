@@ -520,9 +520,13 @@ def test_an_optional_stock_that_does_not_start_is_recorded_and_left_out(monkeypa
     assert throughput.main([*SPACE_ARGS, "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["complete"] and "no flashinfer" in d["failed"]["stock_fi"] and d["results"]["qwen"]["fastest_stock"] == "stock"
+    assert "stopped" not in d
     _stand_ins(monkeypatch, tmp_path, fail=("tpo",))
     with pytest.raises(throughput.StartFailed):  # the overlay not starting is never left out
         throughput.main([*SPACE_ARGS, "--out", str(out)])
+    d = json.loads(out.read_text())  # the file says so: stock's passes kept, the run incomplete, and why
+    assert not d["complete"] and d["failed"] == {} and d["stopped"] == "tpo: no flashinfer"
+    assert {r["variant"]: len(r["passes"]) for r in d["results"]["plain"]["rows"]}["stock"] == 3
 
 
 def _decode_seconds(cmd: str) -> float:
