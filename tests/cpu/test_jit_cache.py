@@ -1,8 +1,8 @@
-"""tests/gpu/jit_cache.sh: the GPU host's compile caches (Triton's, flashinfer's, the stock MoE tunings) packed into
-parts one device call can return, and unpacked on the next lease's machine bit for bit once every part has come,
-over several calls if need be; parts of two saves refused; Triton's cache left out where the whole would take more
-parts than one call returns, and nothing saved where even the rest would; and the evidence written after a restore
-names it (provenance's compile_caches)."""
+"""tests/gpu/jit_cache.sh: the GPU host's compile caches (Triton's, flashinfer's, SGLang's JIT kernels', the stock MoE
+tunings) packed into parts one device call can return, and unpacked on the next lease's machine bit for bit once every
+part has come, over several calls if need be; parts of two saves refused; Triton's cache left out where the whole
+would take more parts than one call returns, and nothing saved where even the rest would; and the evidence written
+after a restore names it (provenance's compile_caches)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def _host(tmp_path, triton_bytes: int):
     files = {home / ".triton" / "cache" / "k1" / "f.cubin": os.urandom(triton_bytes),
              home / ".triton" / "cache" / "k1" / "f.json": b'{"name": "f"}',
              home / ".cache" / "flashinfer" / "0.6" / "90" / "sampling.so": os.urandom(64 * 1024),
+             home / ".cache" / "tvm-ffi" / "sgl_kernel_jit_x__arch_sm_90a" / "m.so": os.urandom(32 * 1024),
              tpo / "stock-moe" / "qwen3-moe-a35b_h100-x" / "tuned.json": b'{"device_name": "H100"}'}
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,6 +36,7 @@ def _host(tmp_path, triton_bytes: int):
                PART_MIB="1")
     env.pop("TRITON_CACHE_DIR", None)
     env.pop("FLASHINFER_WORKSPACE_BASE", None)
+    env.pop("TVM_FFI_CACHE_DIR", None)
     return files, env
 
 
@@ -90,12 +92,12 @@ def test_tritons_cache_is_left_out_where_the_whole_would_not_come_back_in_one_ca
     files, env = _host(tmp_path, 3 * MIB)
     out = tmp_path / "jit"
     r = _run(env, "save", out, MAX_PARTS="2")
-    assert r.returncode == 0 and "saving flashinfer's cache and the tunings alone" in r.stderr, r.stderr
+    assert r.returncode == 0 and "saving flashinfer's and SGLang's JIT caches and the tunings alone" in r.stderr, r.stderr
     for path in files:
         path.unlink()
     assert _run(env, "restore", out).returncode == 0
     back = {path.relative_to(tmp_path).as_posix() for path in files if path.exists()}
-    assert back == {"home/.cache/flashinfer/0.6/90/sampling.so",
+    assert back == {"home/.cache/flashinfer/0.6/90/sampling.so", "home/.cache/tvm-ffi/sgl_kernel_jit_x__arch_sm_90a/m.so",
                     "shm/tpo-cache/stock-moe/qwen3-moe-a35b_h100-x/tuned.json"}
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Carry the GPU host's compile caches from one lease to the next: Triton's compiled kernels, flashinfer's JIT
-# modules and the stock MoE tiles tuned per checkpoint shape (benchmarks/stock_moe.py, under TRUE_ON_POLICY_CACHE).
+# modules, SGLang's JIT kernels (built through tvm-ffi, keyed by source, arch and ABI) and the stock MoE tiles tuned
+# per checkpoint shape (benchmarks/stock_moe.py, under TRUE_ON_POLICY_CACHE).
 # A fresh machine builds them again at each engine's first start; restored, the next lease starts warm. They are
 # caches only: Triton and flashinfer key every entry by its source, compiler and target, and stock_moe.py tunes again
 # on another card or Triton, so a stale entry is rebuilt, never used, and no number but a start time changes.
@@ -11,7 +12,7 @@
 #   bash tests/gpu/jit_cache.sh restore DIR   # stash DIR's parts (over several calls if need be); once all are
 #                                             # there, unpack them (exit 3: parts still missing, 4: checksum)
 #
-# save leaves out Triton's cache (flashinfer's and the tunings are small) when the whole would take more than
+# save leaves out Triton's cache (flashinfer's, SGLang's JIT and the tunings are small) when the whole would take more than
 # MAX_PARTS parts (default 6), and saves nothing (exit 5) where even that would; the parts are xz-compressed tar of
 # absolute paths.
 set -euo pipefail
@@ -19,6 +20,7 @@ MODE=${1:?save or restore}
 DIR=${2:?a folder}
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 FI_DIR=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
+TVM_DIR=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
 TUNED_DIR=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}/stock-moe
 STASH=${JIT_STASH:-/tmp/tpo-jit-stash}
 MARK=$HOME/.cache/true_on_policy/compile-caches.json  # provenance.compile_caches reads it
@@ -39,11 +41,11 @@ case $MODE in
     du -sh "$HOME"/.cache/* "$HOME"/.triton/* >&2 2> /dev/null || true  # what else a first start built
     mkdir -p "$DIR" && rm -f "$DIR"/jit-* "$DIR"/jit.parts "$DIR"/jit.sha256
     tmp=$(mktemp) && trap 'rm -f "$tmp"' EXIT
-    kept=$(pack "$tmp" "$TRITON_DIR" "$FI_DIR" "$TUNED_DIR")
+    kept=$(pack "$tmp" "$TRITON_DIR" "$FI_DIR" "$TVM_DIR" "$TUNED_DIR")
     if ! fits "$tmp"; then
       echo "jit_cache.sh: $(mib "$tmp") MiB with Triton's cache, over $MAX parts:" \
-        "saving flashinfer's cache and the tunings alone" >&2
-      kept=$(pack "$tmp" "$FI_DIR" "$TUNED_DIR")
+        "saving flashinfer's and SGLang's JIT caches and the tunings alone" >&2
+      kept=$(pack "$tmp" "$FI_DIR" "$TVM_DIR" "$TUNED_DIR")
       fits "$tmp" || { echo "jit_cache.sh: $(mib "$tmp") MiB even without it; nothing saved" >&2; exit 5; }
     fi
     split -b "$PART" -d -a 2 "$tmp" "$DIR/jit-"
