@@ -136,4 +136,5 @@ def apply(policy) -> PatchRecord:
            "choose": "in the tile timed at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose; the nested loop until then)"}
     return PatchRecord.of("attention_backend", reps,
                           ["prefill, chunked prefill and decode: kernels.attention over req_to_token rows; the prefill "
-                           + how[loop], "SGLang's split-KV decode scratch at one split (its split-KV kernel never runs)"])
+                           + how[loop],
+                           "SGLang's split-KV decode scratch at one split (its split-KV kernel never runs)"])

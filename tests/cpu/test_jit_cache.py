@@ -92,12 +92,14 @@ def test_tritons_cache_is_left_out_where_the_whole_would_not_come_back_in_one_ca
     files, env = _host(tmp_path, 3 * MIB)
     out = tmp_path / "jit"
     r = _run(env, "save", out, MAX_PARTS="2")
-    assert r.returncode == 0 and "saving flashinfer's and SGLang's JIT caches and the tunings alone" in r.stderr, r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "saving flashinfer's and SGLang's JIT caches and the tunings alone" in r.stderr, r.stderr
     for path in files:
         path.unlink()
     assert _run(env, "restore", out).returncode == 0
     back = {path.relative_to(tmp_path).as_posix() for path in files if path.exists()}
-    assert back == {"home/.cache/flashinfer/0.6/90/sampling.so", "home/.cache/tvm-ffi/sgl_kernel_jit_x__arch_sm_90a/m.so",
+    assert back == {"home/.cache/flashinfer/0.6/90/sampling.so",
+                    "home/.cache/tvm-ffi/sgl_kernel_jit_x__arch_sm_90a/m.so",
                     "shm/tpo-cache/stock-moe/qwen3-moe-a35b_h100-x/tuned.json"}
 
 

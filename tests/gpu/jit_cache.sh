@@ -12,9 +12,9 @@
 #   bash tests/gpu/jit_cache.sh restore DIR   # stash DIR's parts (over several calls if need be); once all are
 #                                             # there, unpack them (exit 3: parts still missing, 4: checksum)
 #
-# save leaves out Triton's cache (flashinfer's, SGLang's JIT and the tunings are small) when the whole would take more than
-# MAX_PARTS parts (default 6), and saves nothing (exit 5) where even that would; the parts are xz-compressed tar of
-# absolute paths.
+# save leaves out Triton's cache (flashinfer's, SGLang's JIT and the tunings are small) when the whole would take
+# more than MAX_PARTS parts (default 6), and saves nothing (exit 5) where even that would; the parts are
+# xz-compressed tar of absolute paths.
 set -euo pipefail
 MODE=${1:?save or restore}
 DIR=${2:?a folder}

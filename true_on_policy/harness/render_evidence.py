@@ -124,10 +124,10 @@ def throughput_rows(docs):
             value = "not run" if r.get("median") is None else f"{r['median']:,.0f}" + (
                 "" if ratio is None else f" ({ratio:.2f}x)")
             parts.append(("" if workload is None else f"{workload}: ") + f"{variant_label(d, r.get('variant'))} {value}")
+        complete = "yes" if d.get("complete") else (
+            f"no: {d['stopped'].split(':')[0]} did not start" if d.get("stopped") else "no")
         rows.append([d.get("geometry", "–"), d.get("client") or "engine", d.get("prefix_cache") or "–",
-                     d.get("new_tokens", "–"), "yes" if d.get("complete") else (
-                         f"no: {d['stopped'].split(':')[0]} did not start" if d.get("stopped") else "no"), "; ".join(parts),
-                     *provenance_cells(d, rel)])
+                     d.get("new_tokens", "–"), complete, "; ".join(parts), *provenance_cells(d, rel)])
     return head, rows
 
 
