@@ -193,7 +193,7 @@ class Run:
                       for w in self.workloads}
         self.passes = {w: {v: [] for v in a.variants if runs(v, w)} for w in self.workloads}
         self.engines, self.starts, self.failed, self.mems, self.earlier = {}, [], {}, {}, []
-        self.stopped: str | None = None  # a variant the run needs did not start: why (never resumed from)
+        self.stopped: dict | None = None  # a variant the run needs that did not start, and why (never resumed from)
         self.t0 = _now() if t0 is None else t0  # --time-budget counts from here
         self.too_long: float | None = None  # a step that fits no call under --time-budget: its estimate
 
@@ -311,11 +311,12 @@ def _start(run: Run, v: str, mem: float):
     try:
         var = _Variant(v, run.a, run.model_path, mem, [w for w in run.workloads if runs(v, w)])
     except StartFailed as e:
+        why = str(e)[-2000:]
         if v not in OPTIONAL:
-            run.stopped = str(e)[-2000:]
+            run.stopped = {"variant": v, "error": why}
             run.report()
             raise
-        run.failed[v] = str(e)[-2000:]
+        run.failed[v] = why
         print(f"{v} did not start; left out: {str(e)[-400:]}", flush=True)
         run.report()
         return None

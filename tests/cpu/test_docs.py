@@ -144,7 +144,8 @@ def test_the_space_table_takes_each_contracts_newest_run_and_counts_every_cell(t
         {"stock": None, "tpo": "flat_v1", "tpo_v1": "v1"}))
     stopped = _space_run("h3072e64k4", "2026-01-06T00:00:00+00:00", {"plain": [("stock", 100.0)]}, {"stock": None})
     _write(ev / "throughput-space-h3072e64k4-s.json", {**stopped, "complete": False,
-                                                        "stopped": "tpo: RuntimeError: server exited with rc -9"})
+                                                        "stopped": {"variant": "tpo",
+                                                                    "error": "variant tpo exited (rc -9) before answering"}})
     text = rv.render(tmp_path)
     assert [ln for ln in text.splitlines() if "h3072e64k4-s.json" in ln and "| no: tpo did not start |" in ln]
     line = {tuple(c.strip() for c in ln.split("|")[1:3]): ln for ln in text.splitlines()

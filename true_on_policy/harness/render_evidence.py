@@ -125,7 +125,7 @@ def throughput_rows(docs):
                 "" if ratio is None else f" ({ratio:.2f}x)")
             parts.append(("" if workload is None else f"{workload}: ") + f"{variant_label(d, r.get('variant'))} {value}")
         complete = "yes" if d.get("complete") else (
-            f"no: {d['stopped'].split(':')[0]} did not start" if d.get("stopped") else "no")
+            f"no: {d['stopped']['variant']} did not start" if d.get("stopped") else "no")
         rows.append([d.get("geometry", "–"), d.get("client") or "engine", d.get("prefix_cache") or "–",
                      d.get("new_tokens", "–"), complete, "; ".join(parts), *provenance_cells(d, rel)])
     return head, rows
