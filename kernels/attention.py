@@ -424,7 +424,7 @@ def decode_variants(hq: int, hkv: int, b: int, max_kv_len: int, fill: int, d: in
 
 
 def split_state_bytes(hq: int, b: int, max_kv_len: int, d: int) -> int:
-    """The fp32 state buffer of a split launch of ``b`` decode queries: every segment's (acc, m, l)."""
+    """The fp32 state buffer of a split launch of ``b`` query tokens: every segment's (acc, m, l)."""
     return triton.cdiv(max_kv_len, SEG) * b * hq * (d + 2) * 4
 
 
@@ -604,6 +604,14 @@ def split_rule(programs: int, nseg_max: int, fill: int) -> int:
     return min(nseg_max, triton.cdiv(fill, programs)) if nseg_max > 1 and programs < fill else 1
 
 
+def prefill_split(n_split: int, nseg_max: int, tq: int, hq: int, d: int) -> int:
+    """The split a prefill launch keeps: ``n_split``, or none (1) where its state buffer
+    (``split_state_bytes`` of its ``tq`` query tokens) would pass ``SPLIT_STATE_BYTES``. A prefill's tiles hold
+    BLOCK_M / G query tokens each, so a launch of too few programs to fill the GPU may still hold hundreds of
+    tokens, and its state grows with them and with the segments of its bound. Speed only: a split changes no bit."""
+    return 1 if n_split > 1 and split_state_bytes(hq, tq, nseg_max * SEG, d) > SPLIT_STATE_BYTES else n_split
+
+
 def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int, scale=None, kv_rows=None,
               max_kv_len: int | None = None, seq_lens=None, out=None, tile: dict | None = None):
     """Launcher. q [Tq, Hq, D]; k_buf, v_buf [S, Hkv, D] (D 64 or 128; query head h reads KV head
@@ -621,9 +629,11 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     programs to fill the GPU split its segments over programs (split-KV). Same bits either way;
     in a split launch a sequence longer than it comes out NaN, never silently short. A split
     launch holds a state buffer of cdiv(max_kv_len, SEG) x Tq x Hq x (D + 2) fp32 (``split_state_bytes``).
-    The split rule splits only while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a 40960-token
-    bound (D 128, 132 SMs), 2.3 GB x G/8 for a 262144-token one (SGLang passes its context length); a
-    split chosen at start-up beyond that holds at most ``SPLIT_STATE_BYTES``.
+    In the decode form the split rule splits only while Tq x Hkv < 2 x SMs: at most about 350 MB x G/8 for a
+    40960-token bound (D 128, 132 SMs), 2.3 GB x G/8 for a 262144-token one (SGLang passes its context length); a
+    split chosen at start-up beyond that holds at most ``SPLIT_STATE_BYTES``. A prefill launch splits, by the rule
+    or by the tile ``choose_prefill_tile`` installed, only where its state fits ``SPLIT_STATE_BYTES``
+    (``prefill_split``); a ``tile`` passed here is launched as given.
     ``out`` (optional, q's shape and dtype, unit last stride): written in place and returned
     (the caller's own output buffer: no copy).
     ``tile`` (optional): a launch tile of ``candidate_tiles`` (BLOCK_M, num_warps, num_stages) and/or
@@ -643,6 +653,7 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     decode = seq_lens is not None
     if decode and not tile and _DECODE_TILES:
         tile = decode_tile_for(q.shape[1], k_buf.shape[1], d, seq_lens.shape[0])
+    given = bool(tile)
     if not decode and not tile:
         tile = prefill_tile_for(hq, k_buf.shape[1], d)
     tile = tile or {}
@@ -666,6 +677,8 @@ def attention(q, k_buf, v_buf, kv_index, q_start, q_len, q_pos0, max_q_len: int,
     n_split = split_rule(programs, nseg_max, _fill(q))
     if "split" in tile:
         n_split = max(1, min(tile["split"], nseg_max))
+    if not (decode or given):
+        n_split = prefill_split(n_split, nseg_max, tq, hq, d)
     split = n_split > 1
     if split:
         part = torch.empty(nseg_max, tq, hq, d, dtype=torch.float32, device=q.device)

@@ -65,20 +65,20 @@ def _rank_heads(layer, k_buf):
     return hq, hkv, d
 
 
-def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len, seq_lens=None):
+def _run(backend, layer, forward_batch, q, o, q_start, q_len, q_pos0, max_q_len, seq_lens=None, max_kv_len=None):
     from true_on_policy.kernels.attention import attention
 
     pool = backend.token_to_kv_pool
     k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     hq, hkv, d = _rank_heads(layer, k_buf)
     rows = forward_batch.req_pool_indices
-    # req_to_token's width bounds every sequence's length: lets a small batch split its KV
-    # segments over programs (same bits, kernels/attention.py)
+    # a bound on every sequence's length lets a small batch split its KV segments over programs (same bits,
+    # kernels/attention.py): the extend's own, else req_to_token's width (the decode graphs' static shape)
     direct = o.is_contiguous()  # SGLang's own buffers are: the kernel writes into o, no copy
     out = attention(q.reshape(-1, hq, d), k_buf.view(k_buf.shape[0], hkv, d), v_buf.view(v_buf.shape[0], hkv, d),
                     backend.req_to_token, q_start, q_len, q_pos0, max_q_len, layer.scaling,
                     kv_rows=rows if seq_lens is None else rows[:seq_lens.shape[0]],
-                    max_kv_len=backend.req_to_token.shape[1], seq_lens=seq_lens,
+                    max_kv_len=max_kv_len or backend.req_to_token.shape[1], seq_lens=seq_lens,
                     out=o.view(-1, hq, d) if direct else None)
     if not direct:
         o.copy_(out.reshape(o.shape))
@@ -91,10 +91,23 @@ def tpo_extend(self, q, o, layer, forward_batch, causal, logits_soft_cap, sinks,
     if forward_batch.extend_seq_lens is None or forward_batch.extend_prefix_lens is None:
         raise PatchError("true-on-policy attention: extend without extend_seq_lens/prefix_lens (speculative "
                          "verify is not in the contract)")
-    lens_cpu = forward_batch.extend_seq_lens_cpu
-    max_q = max(lens_cpu) if lens_cpu else int(forward_batch.extend_seq_lens.max())
+    bounds = forward_batch.__dict__.get("tpo_extend_bounds")  # one batch's (max_q, max_kv): once, not per layer
+    if bounds is None:
+        lens_cpu = forward_batch.extend_seq_lens_cpu
+        max_q = max(lens_cpu) if lens_cpu else int(forward_batch.extend_seq_lens.max())
+        bounds = forward_batch.__dict__["tpo_extend_bounds"] = (
+            max_q, extend_bound(lens_cpu, forward_batch.extend_prefix_lens_cpu))
     return _run(self, layer, forward_batch, q, o, forward_batch.extend_start_loc, forward_batch.extend_seq_lens,
-                forward_batch.extend_prefix_lens, max_q)
+                forward_batch.extend_prefix_lens, bounds[0], max_kv_len=bounds[1])
+
+
+def extend_bound(lens_cpu, pre_cpu) -> int | None:
+    """The extend's longest sequence, prefix and new tokens (the host lists SGLang keeps beside its tensors), or
+    None where a list is missing. It sizes the split state by what the batch holds, not by the context length: at
+    a 262,144-token context that state is 2,048 segments for every query token of a small prefill."""
+    if not lens_cpu or not pre_cpu or len(lens_cpu) != len(pre_cpu):
+        return None
+    return max(int(n) + int(p) for n, p in zip(lens_cpu, pre_cpu, strict=True))
 
 
 def tpo_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None,

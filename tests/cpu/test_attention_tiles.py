@@ -156,3 +156,12 @@ print('ok')
 def test_the_decode_capture_chooses_tiles_for_every_head_layout_unless_fixed():
     r = run_py(CODE, env_extra={"TRUE_ON_POLICY_DECODE_TILES": ""})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("hq,tq,max_kv_len", [(96, 100, 262144), (96, 8, 262144), (32, 500, 40960), (64, 2, 40960)])
+def test_a_prefill_splits_only_where_its_state_fits(hq, tq, max_kv_len):
+    nseg = -(-max_kv_len // A.SEG)
+    fits = A.split_state_bytes(hq, tq, max_kv_len, 128) <= A.SPLIT_STATE_BYTES
+    assert A.prefill_split(4, nseg, tq, hq, 128) == (4 if fits else 1)
+    assert A.prefill_split(1, nseg, tq, hq, 128) == 1
+    assert (hq, tq, max_kv_len) != (96, 100, 262144) or not fits  # a small Coder-480B prefill at its context

@@ -220,6 +220,34 @@ print('ok')
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("lens,pre,bound", [([3, 40], [100, 5], 103), ([7], [0], 7), (None, None, 262144),
+                                             ([3, 40], None, 262144)])
+def test_an_extend_bounds_its_keys_by_its_own_sequences_else_by_the_context(monkeypatch, lens, pre, bound):
+    """The extend passes the kernel its longest sequence (prefix + new tokens, from SGLang's host lists), which
+    sizes a split's state; without the lists, req_to_token's width. Computed once a batch, not once a layer."""
+    import torch
+    from true_on_policy.kernels import attention as A
+    from true_on_policy.patches import attention_backend as ab
+
+    seen = []
+    monkeypatch.setattr(A, "attention", lambda *a, **kw: seen.append((a[7], kw["max_kv_len"])) or kw["out"])
+    layer = types.SimpleNamespace(is_cross_attention=False, logit_cap=0, sliding_window_size=None, k_scale=None,
+                                  qk_head_dim=128, v_head_dim=128, tp_q_head_num=8, tp_k_head_num=2, layer_id=0,
+                                  scaling=None)
+    kv = torch.zeros(16, 2 * 128)
+    pool = types.SimpleNamespace(get_key_buffer=lambda i: kv, get_value_buffer=lambda i: kv)
+    backend = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token=torch.zeros(2, 262144, dtype=torch.int32),
+                                    _translate_kv_loc=None)
+    n = torch.tensor(lens or [3, 40])
+    batch = types.SimpleNamespace(extend_seq_lens=n, extend_prefix_lens=torch.tensor(pre or [0, 0]),
+                                  extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=pre, extend_start_loc=n * 0,
+                                  req_pool_indices=torch.tensor([0, 1]))
+    q = torch.zeros(int(n.sum()), 8 * 128)
+    for _ in range(2):
+        ab.tpo_extend(backend, q, torch.empty_like(q), layer, batch, True, 0.0, None)
+    assert seen == [(max(lens or [40]), bound)] * 2
+
+
 def test_attention_backend_holds_its_split_kv_scratch_at_one_split():
     """Deterministic mode sizes the Triton backend's split-KV scratch by the context (262,144 tokens: 1,024 splits,
     12 GiB of decode-graph fp32 at 96 heads and 256 tokens); under the contract, whose decode never runs that

@@ -3,7 +3,8 @@ Qwen3-Coder-480B has 96/8 heads, a TP shard with a replicated KV head has Hq/tp 
 decode == prefill == chunked prefill, split-KV == one program, a sequence alone == in a ragged
 batch, paged == contiguous, a candidate launch tile (fewer rows, any split, the nested or the flat
 loop) == the fixed tile, a
-decode tile choice installed as at start-up is taken and keeps the bits; the kernel vs the
+decode tile choice installed as at start-up is taken and keeps the bits; a prefill whose split state would
+pass SPLIT_STATE_BYTES launches unsplit, with the same bits; the kernel vs the
 reference within tolerance; D outside {64, 128}, G > 64 and Hq not a multiple of Hkv refused."""
 import sys
 
@@ -78,6 +79,21 @@ for hq, hkv, d, L in ((6, 2, 64, 150), (5, 1, 64, 140), (12, 1, 128, 133)):
         for mk in (None, L):
             rest = attention(q[pre:].clone(), kb, vb, table, one(0), one(L - pre), one(pre), L - pre, max_kv_len=mk)
             assert torch.equal(rest, full[pre:]), (G, "chunked", pre, mk)
+    # a prefill whose split state would pass SPLIT_STATE_BYTES launches unsplit, with the same bits
+    kept, rule_split, cap = [], A.prefill_split, A.SPLIT_STATE_BYTES
+
+    def recorded(*a, _kept=kept, _rule=rule_split):
+        _kept.append(_rule(*a))
+        return _kept[-1]
+
+    A.prefill_split = recorded
+    try:
+        for A.SPLIT_STATE_BYTES in (cap, 0):
+            rest = attention(q[100:].clone(), kb, vb, table, one(0), one(L - 100), one(100), L - 100, max_kv_len=L)
+            assert torch.equal(rest, full[100:]), (G, "prefill split state", A.SPLIT_STATE_BYTES)
+    finally:
+        A.prefill_split, A.SPLIT_STATE_BYTES = rule_split, cap
+    assert kept[0] > 1 and kept[1] == 1, (G, kept)
     # batch invariance: a short and the long sequence in one ragged launch == each alone
     n0 = tok + 3
     q2 = torch.cat([q[:n0], q])
