@@ -19,6 +19,8 @@ of its V/t segments; the roots are all-gathered in fp32 and the tree finished in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,8 @@ HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); element
 # (HBLOCK and NBLOCK are speed choices from benchmarks/gemm_sweep.py; neither changes a bit)
 IBLOCK = 1024  # silu*up: one row per program (real rows only), intermediate in fixed chunks
 NBLOCK = 2048  # align: slots scanned in fixed chunks (the table does not depend on it)
+MOE_DOWN_SHARE = 48  # one pass's fp32 down-projection output holds at most 1/48 of the GPU's memory (token_chunk)
+MOE_DOWN_BYTES: int | None = None  # that bound in bytes where set (the CPU tests), else from the device
 ALIGN_MIN_CHUNK = 128  # align's one-launch form: its chunk at least one slot per thread of 4 warps
 # On: the gate/up GEMM stores h = silu(gate) * up where it runs on the TMA decode path (matmul.glu_fusable),
 # each program computing a gate tile and its up tile: silu_mul's bits without its launch (GPU tier:
@@ -347,15 +351,54 @@ def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
                           role=role, tokens=t, slots=slots)
 
 
+def down_bytes(t: int, k: int, h: int, num_local: int) -> int:
+    """The fp32 down-projection output of ``t`` tokens: the expert-sorted table's rows (``align``), ``h`` wide."""
+    return (triton.cdiv(t * k, ALIGN) + num_local) * ALIGN * h * 4
+
+
+@functools.cache
+def _device_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def down_cap(x: torch.Tensor) -> int | None:
+    """``MOE_DOWN_BYTES`` where set, else 1/``MOE_DOWN_SHARE`` of x's GPU (80 GB: 1.65 GiB; 141 GB: 2.9 GiB); None
+    (no bound) off the GPU."""
+    if MOE_DOWN_BYTES is not None:
+        return MOE_DOWN_BYTES
+    return _device_bytes(x.device.index or 0) // MOE_DOWN_SHARE if x.is_cuda else None
+
+
+def token_chunk(t: int, k: int, h: int, num_local: int, cap: int | None) -> int:
+    """Tokens the block takes in one pass: all ``t``, unless its fp32 down-projection output (``down_bytes``)
+    would pass ``cap`` bytes (``down_cap``); then ``t`` in equal chunks (the last shorter) that keep it under, at
+    least one block of ALIGN slots each. A prefill chunk of a wide model (8,192 tokens x 8 slots of 6,144 fp32
+    columns: 2.1 GB) is the activation peak of the whole forward, above what SGLang leaves beside its KV pool on an
+    80 GB GPU.
+    Memory only: every token's bits are the same in any chunk. Every rank of a TP or EP group takes the same
+    chunks (the same T, k, H, local experts and GPU model), so the same collectives."""
+    if cap is None or down_bytes(t, k, h, num_local) <= cap:
+        return t
+    blocks = max(1, cap // (h * 4) // ALIGN - num_local)  # blocks of slots beside the experts' padding
+    most = max(1, blocks * ALIGN // k)
+    return triton.cdiv(t, triton.cdiv(t, most))
+
+
 def moe(x, router_w, w13, w2, top_k, norm_topk=True, tp_group=None, ep_group=None, width: int | None = None):
     """The block. x [T, H] (all tokens, on every rank); router_w [E, H] (all experts);
     w13 [E_local, 2*I/tp, H], w2 [E_local, H, I/tp] (this rank's experts and intermediate slice).
     EP rank r owns experts [r*E_local, (r+1)*E_local). Same bits for every TP and EP degree.
-    ``width``: the down projection's V (None: ``tree_reduce.tree_width()``)."""
+    ``width``: the down projection's V (None: ``tree_reduce.tree_width()``). Tokens in chunks where the down
+    projection's output would pass its bound (``token_chunk``)."""
     e_total, e_local = router_w.shape[0], w13.shape[0]
     ep = world_size(ep_group)
     if e_local * ep != e_total:
         raise KernelLimitError(f"moe: {e_local} local experts x EP {ep} != {e_total} router experts")
+    t = x.shape[0]
+    chunk = token_chunk(t, top_k, x.shape[1], e_local, down_cap(x))
+    if chunk < t:  # in token chunks, one after another (each rank the same chunks, so the same collectives)
+        return torch.cat([moe(x[i:i + chunk], router_w, w13, w2, top_k, norm_topk, tp_group, ep_group, width)
+                          for i in range(0, t, chunk)])
     segments = segments_for(world_size(tp_group), w2.shape[2], width)
     w, ids = route(matmul(x, router_w, role="router"), top_k, norm_topk)
     if world_size(tp_group) == 1 and ep == 1:  # no copy to slot-major: the combine reads through pos

@@ -1,5 +1,5 @@
 """Interpreted, 2, 4 or 8 CPU processes over gloo: the collective forms (row-parallel tree in the
-all-gather form, MoE expert-TP and EP, and at 4+ ranks both at once (TP 2 x EP world/2), vocab-parallel
+all-gather form, MoE expert-TP and EP, in token chunks too, and at 4+ ranks both at once (TP 2 x EP world/2), vocab-parallel
 log-probs, an odd vocabulary too) are bitwise equal to one process.
 Run: python -m torch.distributed.run --nproc_per_node {2,4,8} THIS."""
 import sys
@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
 from helpers import random_moe  # noqa: E402
+from true_on_policy.kernels import moe as M
 from true_on_policy.kernels.logprobs import token_logprobs
 from true_on_policy.kernels.moe import moe, tp_shard
 from true_on_policy.kernels.tree_reduce import gather_stacked, rank_in, row_linear
@@ -33,6 +34,16 @@ assert torch.equal(moe(xt, rw, *tp_shard(w13, w2, rank, world), kk, tp_group=G),
 n = e // world
 assert torch.equal(moe(xt, rw, w13[rank * n:(rank + 1) * n].contiguous(), w2[rank * n:(rank + 1) * n].contiguous(),
                        kk, ep_group=G), y)
+# token chunks on every rank (the down projection's output over its bound): the same collectives, the same bits
+xc = random_moe(torch.Generator().manual_seed(3), 150, e, h, inter, router_scale=0.05, weight_scale=0.05)[0]
+yc = moe(xc, rw, w13, w2, kk)
+M.MOE_DOWN_BYTES = M.down_bytes(150, kk, h, e) - 1
+try:
+    assert torch.equal(moe(xc, rw, *tp_shard(w13, w2, rank, world), kk, tp_group=G), yc)
+    assert torch.equal(moe(xc, rw, w13[rank * n:(rank + 1) * n].contiguous(), w2[rank * n:(rank + 1) * n].contiguous(),
+                           kk, ep_group=G), yc)
+finally:
+    M.MOE_DOWN_BYTES = None
 if world >= 4:  # MoE-TP 2 inside EP world/2: rank = 2 * ep_rank + tp_rank
     tp_groups = [dist.new_group([2 * r, 2 * r + 1]) for r in range(world // 2)]  # every rank creates every group
     ep_groups = [dist.new_group(list(range(t, world, 2))) for t in range(2)]

@@ -1,4 +1,4 @@
-"""Interpreted: MoE router ties, batch invariance, TP=2/4 and EP=2/4 simulated bitwise; token
+"""Interpreted: MoE router ties, batch invariance, token chunks, TP=2/4 and EP=2/4 simulated bitwise; token
 log-probs, vocab shards simulated bitwise."""
 import sys
 
@@ -6,6 +6,7 @@ import torch
 
 sys.path.insert(0, "tests")  # run with the checkout as cwd (see test_kernels_interpret.py)
 from helpers import expect_value_errors, random_moe  # noqa: E402
+from true_on_policy.kernels import moe as M
 from true_on_policy.kernels.logprobs import (
     SHARDS,
     _tree,
@@ -26,6 +27,15 @@ y = moe(x, rw, w13, w2, K)
 torch.testing.assert_close(y.float(), moe_reference(x, rw, w13, w2, K).float(), rtol=5e-2, atol=5e-2)
 for n in (1, 2, 5):
     assert torch.equal(moe(x[:n].clone(), rw, w13, w2, K), y[:n]), n
+# token chunks (the down projection's output over its bound): the same bits as one pass
+xc = random_moe(torch.Generator().manual_seed(3), 150, E, H, I, router_scale=0.2, weight_scale=0.1)[0]
+yc = moe(xc, rw, w13, w2, K)
+M.MOE_DOWN_BYTES = M.down_bytes(150, K, H, E) - 1
+try:
+    assert M.token_chunk(150, K, H, E, M.down_cap(xc)) == 75
+    assert torch.equal(moe(xc, rw, w13, w2, K), yc)
+finally:
+    M.MOE_DOWN_BYTES = None
 ties = torch.tensor([[0.0, 1, 1, 1, 0, 0, 0, 0], [0.0] * 8]).bfloat16()
 assert route(ties, 2)[1].tolist() == [[1, 2], [0, 1]] == route_reference(ties, 2)[1].tolist()
 w, ids = route(matmul(x, rw), K)
