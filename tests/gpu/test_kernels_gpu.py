@@ -544,7 +544,9 @@ def test_align_is_the_stable_argsort_table_in_both_forms(experts, top_k, gpu_evi
 
 
 @pytest.mark.parametrize("hidden,experts,top_k,inter", [(256, 8, 2, 128), (2048, 128, 8, 768)])
-def test_moe(hidden, experts, top_k, inter, gpu_evidence):
+def test_moe(hidden, experts, top_k, inter, gpu_evidence, monkeypatch):
+    from true_on_policy.kernels import moe as M
+
     g = _gen(experts)
     x = _randn(g, 4097, hidden)
     rw, w13, w2 = _randn(g, experts, hidden, scale=0.05), _randn(g, experts, 2 * inter, hidden, scale=0.03), \
@@ -555,6 +557,11 @@ def test_moe(hidden, experts, top_k, inter, gpu_evidence):
     assert rel < REL_TOL[torch.bfloat16], rel
     for n in COUNTS:
         _same(moe(x[:n].clone(), rw, w13, w2, top_k), y[:n], f"tokens={n}")
+    monkeypatch.setattr(M, "MOE_DOWN_BYTES", M.down_bytes(x.shape[0] // 3, top_k, hidden, experts))
+    chunk = M.token_chunk(x.shape[0], top_k, hidden, experts, M.down_cap(x))
+    assert chunk < x.shape[0]
+    _same(moe(x, rw, w13, w2, top_k), y, f"token chunks of {chunk}")
+    monkeypatch.setattr(M, "MOE_DOWN_BYTES", None)
     w, ids = route(matmul(x, rw), top_k)
     slots = torch.arange(x.shape[0] * top_k, device="cuda").view(-1, top_k)
     for t in (2, 4, 8):
@@ -568,7 +575,8 @@ def test_moe(hidden, experts, top_k, inter, gpu_evidence):
                                r * n, 8) for r in range(ep))
         _same(combine(e, slots, w, x.dtype), y, f"MoE EP={ep}")
     gpu_evidence.append({"test": f"moe_h{hidden}_e{experts}_k{top_k}_i{inter}", "rel_err_vs_torch_reference": rel,
-                         "batch_invariant_counts": COUNTS, "tp_simulated": [2, 4, 8], "ep_simulated": [2, 4]})
+                         "batch_invariant_counts": COUNTS, "token_chunk": chunk, "tp_simulated": [2, 4, 8],
+                         "ep_simulated": [2, 4]})
 
 
 def test_token_logprobs(gpu_evidence):
