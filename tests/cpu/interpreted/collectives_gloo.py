@@ -1,6 +1,6 @@
 """Interpreted, 2, 4 or 8 CPU processes over gloo: the collective forms (row-parallel tree in the
-all-gather form, MoE expert-TP and EP, in token chunks too, and at 4+ ranks both at once (TP 2 x EP world/2), vocab-parallel
-log-probs, an odd vocabulary too) are bitwise equal to one process.
+all-gather form, MoE expert-TP and EP, in token chunks too, and at 4+ ranks both at once (TP 2 x EP
+world/2), vocab-parallel log-probs, an odd vocabulary too) are bitwise equal to one process.
 Run: python -m torch.distributed.run --nproc_per_node {2,4,8} THIS."""
 import sys
 
