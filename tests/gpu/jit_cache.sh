@@ -17,7 +17,7 @@
 # xz-compressed tar of absolute paths.
 set -euo pipefail
 MODE=${1:?save or restore}
-DIR=${2:?a folder}
+DIR=$(realpath -m -- "${2:?a folder}")  # absolute: restore joins the parts from inside the stash
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 FI_DIR=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
 TVM_DIR=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
