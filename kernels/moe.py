@@ -68,6 +68,12 @@ def combine_reference(e: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16
     return acc.to(out_dtype)
 
 
+def table_blocks(slots: int, num_local: int) -> int:
+    """The expert-sorted table's static bound in blocks of ALIGN rows: ceil(slots / ALIGN) + one partial block
+    for each local expert."""
+    return triton.cdiv(slots, ALIGN) + num_local
+
+
 def align_reference(ids: torch.Tensor, first_expert: int, num_local: int):
     """``align``'s table in plain torch (stable argsort); rows of unused blocks are -1 here."""
     t, k = ids.shape
@@ -81,7 +87,7 @@ def align_reference(ids: torch.Tensor, first_expert: int, num_local: int):
     blocks = (counts + ALIGN - 1) // ALIGN
     start_block = torch.cumsum(blocks, 0) - blocks
     start_count = torch.cumsum(counts, 0) - counts
-    n_blocks = triton.cdiv(t * k, ALIGN) + num_local
+    n_blocks = table_blocks(t * k, num_local)
     se = e[order]
     valid = se < num_local
     sec = se.clamp(max=num_local - 1)
@@ -300,7 +306,7 @@ def align(ids: torch.Tensor, first_expert: int, num_local: int, nblock: int = NB
     t, k = ids.shape
     n = t * k
     dev = ids.device
-    n_blocks = triton.cdiv(n, ALIGN) + num_local
+    n_blocks = table_blocks(n, num_local)
     rows = torch.empty(n_blocks * ALIGN, dtype=torch.int64, device=dev)
     own_rows = torch.empty_like(rows)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
@@ -353,7 +359,7 @@ def _expert_sorted(x, rows, own, pos, block_expert, w13, w2, segments, width):
 
 def down_bytes(t: int, k: int, h: int, num_local: int) -> int:
     """The fp32 down-projection output of ``t`` tokens: the expert-sorted table's rows (``align``), ``h`` wide."""
-    return (triton.cdiv(t * k, ALIGN) + num_local) * ALIGN * h * 4
+    return table_blocks(t * k, num_local) * ALIGN * h * 4
 
 
 @functools.cache
