@@ -106,10 +106,20 @@ def case(s: dict, gemm: str, t: int, g, l2: int):
                                                           role="plain" if segments > 1 else role, tokens=t,
                                                           slots=t * top_k))
     if segments > 1:
-        tiles = lambda d: _with(d, lambda: mm.seg_tiles(t, t * top_k, e, n, k, segments, sms))  # noqa: E731
+        tiles = lambda d: _with(d, lambda: tree_tile(t, t * top_k, e, n, k, segments, sms))  # noqa: E731
     else:
         tiles = lambda d: _with(d, lambda: mm.grouped_tiles(role, t, t * top_k, e, n, k, sms))  # noqa: E731
     return variant, mask, touched, tiles, len(ws)
+
+
+def tree_tile(t: int, slots: int, e: int, n: int, k: int, segments: int, sms: int) -> dict:
+    """The tile the grouped tree GEMM runs: ``seg_tree``'s (``seg_tiles``) where its stages fit, else the flat
+    loop's."""
+    import true_on_policy.kernels.matmul as mm
+
+    if mm.seg_path(k, segments) or mm.wide_decode(t, slots, e, k, segments):
+        return mm.seg_tiles(t, slots, e, n, k, segments, sms)
+    return mm._tiles(segments, True, k)
 
 
 def _over_copies(ws, call):

@@ -60,7 +60,8 @@ ROW_SEG = dict(BLOCK_M=32, BLOCK_N=128, BK=64, num_warps=4, num_stages=3)
 # take 216 KB, over ``seg_tree.SMEM_BUDGET``), at the most stages up to its own, and at least 2, that fit
 # (``staged``). ROW_SEG where nothing was timed (CUDA graphs off) and under TREE_FIXED. Where a segment is too wide
 # for ROW_SEG's own stages (``seg_path`` false: Coder-480B-A35B's 2560 / 8 = 320 columns), the flat loop runs unless
-# the choice timed a candidate faster than it there (``wide_prefill_tile``).
+# the choice timed a candidate faster than it there (``wide_prefill_tile``); at decode token counts a SEG_GRID tile
+# narrow enough for a whole segment's stages runs (``wide_decode``).
 # Every candidate computes ROW_SEG's bits (GPU tier: test_seg_tree_equals_flat, test_program_order_changes_no_bit).
 TREE_CANDIDATES = (ROW_SEG,
                    dict(BLOCK_M=32, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
@@ -605,6 +606,22 @@ def seg_decode_tile(slots: int, experts: int, n: int, k: int, segments: int, sms
     return SEG_GRID[bm, fill_width(widths, used, n, sms)]
 
 
+def wide_decode(tokens: int | None, slots: int | None, experts: int, k: int, segments: int) -> bool:
+    """Whether the grouped tree GEMM whose segments are too wide for ROW_SEG's stages (``seg_path`` false:
+    Coder-480B-A35B's 2560 / 8 = 320 columns) runs ``seg_tree`` at decode token counts (``grouped_decode``), in
+    ``seg_decode_tile``'s tile over ``used_blocks``' blocks, rather than the flat loop over the whole table: where the
+    segments split into ROW_SEG's chunks and a SEG_GRID width at the decode rows fits a whole segment's stages
+    (``seg_tree.smem_ok``). A speed choice: the same bits either way (GPU tier: test_seg_tree_equals_flat,
+    test_wide_decode_equals_flat)."""
+    from true_on_policy.kernels import seg_tree
+
+    if (not GROUPED_SEG or INTERPRETED or segments < 2 or k % segments or seg_path(k, segments)
+            or not grouped_decode(tokens, slots, experts) or not seg_tree.fits(k // segments, ROW_SEG["BK"])):
+        return False
+    bm = decode_bm(expert_groups(slots, experts)[1])
+    return any(seg_tree.smem_ok(k // segments, SEG_GRID[bm, bn]) for bn in DECODE_BN)
+
+
 def seg_tiles(tokens: int, slots: int | None, experts: int, n: int, k: int, segments: int, sms: int) -> dict:
     """The ``seg_tree`` tile of a grouped tree GEMM of ``tokens`` tokens and ``slots`` pairs:
     ``seg_decode_tile`` (launched over ``used_blocks``' blocks) where ``grouped_decode`` holds, else
@@ -1101,7 +1118,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
         cfg, group = moe_tile(role, tokens, slots, w.shape[0]), order
     elif cfg is COLUMN and (not GROUPED_UP.get("FLAT") or k % GROUPED_UP["BLOCK_K"] == 0):
         cfg = GROUPED_UP  # (a flat-loop GROUPED_UP needs BLOCK_K | K; else COLUMN)
-    elif seg_path(k, segments):
+    elif seg_path(k, segments) or wide_decode(tokens, slots, w.shape[0], k, segments):
         # (the CPU interpreter keeps the flat loop: its fp64 stand-in for the MMA rounds per chunk)
         seg = True
         if decode:

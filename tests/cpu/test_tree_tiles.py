@@ -236,3 +236,37 @@ def test_the_timing_launches_every_candidate_as_the_rollout_does_interpreted():
     bucket's rows through ``seg_tree.launch`` (interpreted here; the CUDA-graph timing is the GPU's)."""
     r = run_py(TIMING, env_extra={"TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("k,segments", [(2560, 8), (1280, 4)])  # Coder-480B-A35B's down projection at TP 1 and 2
+def test_at_decode_a_wide_segment_runs_seg_tree_in_a_decode_tile_whose_stages_fit(on_gpu, k, segments):
+    for t in (1, 4, 16, 64):
+        assert mm.grouped_decode(t, t * 8, 160) and mm.wide_decode(t, t * 8, 160, k, segments)
+        cfg = mm.seg_tiles(t, t * 8, 160, 6144, k, segments, 132)
+        assert cfg in mm.SEG_GRID.values() and seg_tree.smem_ok(320, cfg) and not seg_tree.smem_ok(320, mm.ROW_SEG)
+    assert not mm.wide_decode(512, 512 * 8, 160, k, segments)  # above the decode path: the flat loop or the choice
+    assert not mm.wide_decode(16, None, 160, k, segments)  # no slots
+    assert not mm.wide_decode(16, 128, 160, k, 1)  # no tree
+
+
+def test_at_decode_a_segment_row_seg_fits_keeps_seg_path_and_the_interpreter_the_flat_loop(on_gpu, monkeypatch):
+    assert mm.seg_path(768, 8) and not mm.wide_decode(16, 128, 128, 768, 8)
+    monkeypatch.setattr(mm, "INTERPRETED", True)
+    assert not mm.wide_decode(16, 128, 160, 2560, 8)
+
+
+def test_grouped_matmul_launches_seg_tree_at_decode_where_a_segment_is_wide(on_gpu, monkeypatch):
+    from true_on_policy.kernels.moe import align_reference as align
+
+    calls = []
+    monkeypatch.setattr(seg_tree, "launch", lambda *a, **kw: calls.append((a[5], a[7], kw["subtiles"])) or a[2])
+    monkeypatch.setattr(mm, "_launch", lambda *a, **kw: calls.append(("flat", a[7])) or a[2])
+    g = torch.Generator().manual_seed(0)
+    for t in (4, 512):
+        ids = torch.rand(t, 160, generator=g).argsort(dim=1)[:, :8].int()
+        rows, be, _ = align(ids, 0, 160)
+        own = torch.where(rows >= 0, torch.arange(rows.shape[0]), -1)  # the down GEMM's table (``moe.align``)
+        x, w = torch.zeros(own.shape[0], 2560, dtype=torch.bfloat16), torch.zeros(160, 64, 2560, dtype=torch.bfloat16)
+        mm.grouped_matmul(x, w, own, be, torch.float32, 8, tree=True, tokens=t, slots=t * 8)
+    cfg = mm.seg_tiles(4, 32, 160, 64, 2560, 8, mm.sm_count(x))
+    assert calls == [(mm.used_blocks(32, 160) * mm.ALIGN, cfg, mm.ALIGN // cfg["BLOCK_M"]), ("flat", mm.ROW_FLAT)]

@@ -1208,3 +1208,29 @@ def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evid
             assert mm.seg_tiles(t, t * top_k, e, h, kd, segments, mm.sm_count(hx)) in mm.candidate_tiles("seg_tree")
     gpu_evidence.append({"test": f"tree_decode_tiles_eq_fixed_{geometry}_s{segments}", "rows": DECODE_COUNTS,
                          "tiles": {r: len(mm.candidate_tiles(r)) for r in mm.TREE_ROLES}, "bitwise": True})
+
+
+@pytest.mark.parametrize("segments", [8, 4])  # TP 1 and 2: 2560 / 8 and 1280 / 4, segments of 320 columns
+def test_wide_decode_equals_flat(segments, gpu_evidence):
+    """Coder-480B-A35B's MoE down projection, whose segments are too wide for ROW_SEG's stages: at decode token counts
+    ``grouped_matmul`` runs ``seg_tree`` in a SEG_GRID tile over the used blocks (``matmul.wide_decode``), above them
+    the flat loop, and at every count the result is the flat loop's over the whole table, bit for bit."""
+    import true_on_policy.kernels.matmul as mm
+
+    h, e, top_k, inter = 6144, 160, 8, 2560
+    kd = inter * segments // 8
+    g = _gen(h + e + segments)
+    w2 = _randn(g, e, h, kd, scale=0.03)
+    wide = []
+    for t in DECODE_COUNTS:
+        be, own, hx, real = _down_rows(g, t, e, top_k, kd)
+        p = own.shape[0]
+        ref = mm._launch(hx, w2, torch.empty(p, h, dtype=torch.float32, device="cuda"), own,
+                         be.repeat_interleave(mm.ALIGN // mm.ROW_FLAT["BLOCK_M"]), p, segments, mm.ROW_FLAT)[real]
+        got = mm.grouped_matmul(hx, w2, own, be, torch.float32, segments, tree=True, tokens=t, slots=t * top_k)
+        _same(got[real], ref, f"down S={segments} tokens={t}")
+        if mm.wide_decode(t, t * top_k, e, kd, segments):
+            wide.append(t)
+    assert wide and wide[0] == 1, f"no decode count took seg_tree: {wide}"
+    gpu_evidence.append({"test": f"wide_decode_eq_flat_s{segments}", "tokens": DECODE_COUNTS, "seg_tree_tokens": wide,
+                         "bitwise": True})
