@@ -202,8 +202,11 @@ case $GROUP in
     # 4096 rows), then the decode tiles against the fixed ones, alternated, bits checked: what decides
     # kernels.matmul.DECODE_TILES (XDIST=8 runs the tests in 8 workers)
     run tier gpu-tier-decode-tiles tests/gpu/test_kernels_gpu.py \
-      -k "decode_tiles or tma or grouped or moe or width_1 or seg_tree or split_planes or tree_flat"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json" ;;&
+      -k "decode_tiles or tma or grouped or moe or width_1 or seg_tree or split_planes or tree_flat or wide_decode"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json"
+    # Coder-480B-A35B's down projections: v1's segments too wide for ROW_SEG's stages (matmul.wide_decode)
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --geometries a35b_h100 \
+      --gemms down down_tree --out "$E/bench-decode-tiles-a35b.json" ;;&
   truncselect)  # issue 37: the selection kernel and the top-k form against the sort, bitwise (truncate; sample and the
     # trainer with the switch on and off and with and without the host bound at batches 1-256; CUDA-graph replays), then
     # the speed of the three alone and in sample, and the fraction of a batch-256 decode step the sampler's form takes
