@@ -237,7 +237,8 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
                     want = mm.ROW_SEG if fixed else mm.by_rows(mm.TREE_CHOSEN[KD // SD, ND, e], mm.expert_groups(t * k, e)[1])
                     assert cfgs.pop() == want, ("the chosen tile unless TREE_FIXED", decode, fixed, t)
     # where the segments are too wide for ROW_SEG's stages (``seg_path`` false, as at Coder-480B-A35B's 320 columns):
-    # the flat loop, unless the choice timed a seg_tree tile faster than it at the call's rows per expert
+    # at decode token counts seg_tree in its decode tile (``wide_decode``); above, the flat loop, unless the choice
+    # timed a seg_tree tile faster than it at the call's rows per expert
     path, flat_launch, launched = mm.seg_path, mm._launch, []
 
     def flat(*a, **kw):  # the flat loop with the interpreter's fp64 stand-in, as the dispatch decides on a GPU
@@ -260,13 +261,14 @@ for t, k, e in ((1, 2, E), (9, 3, E), (130, 1, 1)):
         mm.TREE_FIXED = fixed
         got = mm.grouped_matmul(xs, we, own, be, torch.float32, SD, tree=True, tokens=t, slots=t * k)
         above = not mm.grouped_decode(t, t * k, e) and mm.expert_groups(t * k, e)[1] > 1
-        want = mm.TREE_CANDIDATES[2] if above and not fixed else "flat"
+        want = (mm.seg_tiles(t, t * k, e, ND, KD, SD, mm.sm_count(xs)) if mm.wide_decode(t, t * k, e, KD, SD)
+                else mm.TREE_CANDIDATES[2] if above and not fixed else "flat")
         assert launched.pop() == want and not launched, ("wide segments: the tile timed faster", fixed, t, want)
         assert torch.equal(got[used], (fref if want == "flat" else ref)[used]), ("wide segments", fixed, t)
-        wide_seen.append("flat" if want == "flat" else "seg_tree")
+        wide_seen.append("flat" if want == "flat" else "seg_tree" if above else "decode")
     mm.seg_path, mm._launch = path, flat_launch
     st.launch, mm.INTERPRETED, mm.DECODE_TILES, mm.SEG_TMA, mm.TREE_FIXED, gt.usable = launch, True, False, False, False, usable
-assert set(wide_seen) == {"flat", "seg_tree"}, wide_seen  # both outcomes of the wide dispatch ran
+assert set(wide_seen) == {"flat", "seg_tree", "decode"}, wide_seen  # every outcome of the wide dispatch ran
 print("interpreted-ok")
 """
 

@@ -179,6 +179,7 @@ case $GROUP in
     # throughput-space-<g>-<tag>.json (a run at new code beside an earlier file).
     # tailprofile: GPU time per op of a decode step at batch 1, 4, 16, 64, T = 1 and Qwen3's sampling, with every sort,
     # allocation or host sync a contract's step adds to stock's (its tables in the JSON's "table"; PROFILE_TAG=before|after names the files;
+    # PROFILE_MEM: every engine's memory fraction, 0.85 unless set: a35b_h100's stock needs 0.75 for the profile's prefill;
     # each variant is kept once done, with the provenance of its own run: run it again after a time limit). --resume
     # reads the file at its --out, so the rerun must find the partial file there: keep ROOT at its default (the
     # checkout's evidence/) and, where each run starts from a fresh copy of the checkout, put the partial file back into
@@ -194,7 +195,7 @@ case $GROUP in
           --out "$E/throughput-space-$g${SPACE_TAG:+-$SPACE_TAG}.json"
       else
         run $B/op_profile.py --geometry "$g" --batches 1 4 16 64 --workload ${WORKLOADS:-plain qwen} \
-          --variants ${VARIANTS:-stock stock_fi tpo tpo_v1} --mem 0.85 --make-room --resume \
+          --variants ${VARIANTS:-stock stock_fi tpo tpo_v1} --mem ${PROFILE_MEM:-0.85} --make-room --resume \
           --out "$E/profile-tail-$g${PROFILE_TAG:+-$PROFILE_TAG}.json"
       fi
     done ;;
