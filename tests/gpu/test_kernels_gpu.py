@@ -1214,7 +1214,8 @@ def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evid
 def test_wide_decode_equals_flat(segments, gpu_evidence):
     """Coder-480B-A35B's MoE down projection, whose segments are too wide for ROW_SEG's stages: at decode token counts
     ``grouped_matmul`` runs ``seg_tree`` in a SEG_GRID tile over the used blocks (``matmul.wide_decode``), above them
-    the flat loop, and at every count the result is the flat loop's over the whole table, bit for bit."""
+    the flat loop (or a start-up choice's tile), and at every count the result is the flat loop's over the whole table,
+    bit for bit."""
     import true_on_policy.kernels.matmul as mm
 
     h, e, top_k, inter = 6144, 160, 8, 2560
