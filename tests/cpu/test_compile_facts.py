@@ -11,7 +11,8 @@
 - The MoE's grouped GEMMs compile to the same instructions whatever the order of their programs
   (``matmul.program_tile``, ``MOE_GROUP_M``): a GPU compile of the grouped order, checked without a GPU.
 - The tree down projection's start-up choice's candidates (``matmul.tree_candidates``) compile without a spill,
-  within a block's shared memory, the tree's arithmetic as written.
+  within a block's shared memory, the tree's arithmetic as written; so do its decode tiles where the segments are
+  too wide for ROW_SEG's stages (``matmul.wide_decode``).
 """
 
 import json
@@ -140,3 +141,23 @@ def test_the_grouped_gemms_compile_alike_in_every_order(compile_facts):
         assert columns["spill_store_bytes"] == grouped["spill_store_bytes"] == 0, (args, columns, grouped)
         for key in ("HMMA", "HGMMA", "LDGSTS", "FSEL", "FADD", "shared_bytes"):
             assert columns[key] == grouped[key], (args, key, columns, grouped)
+
+
+def test_the_wide_segments_decode_tiles_compile_within_a_block_s_shared_memory(compile_facts):
+    """Where Coder-480B-A35B's 320-column segments are too wide for ROW_SEG's stages, each decode tile its down
+    projection takes at decode token counts (``matmul.wide_decode``, ``seg_tiles``; 1 to 160 tokens) compiles for
+    sm_90a in its block loop without a spill, within a block's shared memory, with the tree's arithmetic as written."""
+    from true_on_policy.kernels import seg_tree
+
+    tiles = []
+    for tokens in range(1, 161):
+        cfg = mm.seg_tiles(tokens, tokens * 8, 160, 6144, 2560, 8, 132)
+        if cfg not in tiles:
+            tiles.append(cfg)
+    assert all(seg_tree.smem_ok(320, c) for c in tiles) and not seg_tree.smem_ok(320, mm.ROW_SEG), tiles
+    for cfg in tiles:
+        kernel = compile_facts.seg_tree_kernel(cfg, 320, 8, mm.ALIGN // cfg["BLOCK_M"], False)
+        got = compile_facts.facts(kernel)
+        assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= seg_tree.BLOCK_SMEM, (cfg, got)
+        assert got["HGMMA" if cfg["BLOCK_M"] >= 64 else "HMMA"] > 0, (cfg, got)
+        _tree_as_written(kernel, *seg_tree.chunks_of(320, cfg["BK"]))
