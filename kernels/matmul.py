@@ -525,6 +525,12 @@ def grouped_tiles(role: str, tokens: int, slots: int, experts: int, n: int, k: i
     return moe_tile(role, tokens, slots, experts)
 
 
+def table_blocks(slots: int, num_local: int) -> int:
+    """The expert-sorted table's static bound in blocks of ALIGN rows (``moe.align``): ceil(slots / ALIGN) + one
+    partial block for each local expert."""
+    return triton.cdiv(slots, ALIGN) + num_local
+
+
 def used_blocks(slots: int, experts: int) -> int:
     """An upper bound on the ALIGN-row blocks ``moe.align`` fills for ``slots`` pairs over ``experts``
     experts: each expert in use pads its rows once, sum of ceil(c_e / ALIGN) < slots / ALIGN + experts
@@ -595,15 +601,21 @@ def seg_decode_tile(slots: int, experts: int, n: int, k: int, segments: int, sms
     rows per expert in use (``expert_groups``), BLOCK_N the widest whose staged segment fits
     (``seg_tree.smem_ok``) giving experts in use x column tiles >= PROGRAMS_PER_SM x sms, as
     ``decode_tile``; ROW_SEG where no width fits. A pure function; the tile is in SEG_GRID."""
-    from true_on_policy.kernels.seg_tree import smem_ok
-
     used, per = expert_groups(slots, experts)
     bm = decode_bm(per)
-    fits = [bn for bn in DECODE_BN if smem_ok(k // segments, SEG_GRID[bm, bn])]
+    fits = seg_widths(k // segments, bm)
     if not fits:
         return ROW_SEG
     widths = [bn for bn in fits if 2 * bn * k >= MIN_PROGRAM_BYTES] or fits[:1]
     return SEG_GRID[bm, fill_width(widths, used, n, sms)]
+
+
+def seg_widths(seg: int, bm: int) -> list[int]:
+    """DECODE_BN's widths whose SEG_GRID tile of ``bm`` rows fits a whole ``seg``-column segment's stages
+    (``seg_tree.smem_ok``), widest first."""
+    from true_on_policy.kernels.seg_tree import smem_ok
+
+    return [bn for bn in DECODE_BN if smem_ok(seg, SEG_GRID[bm, bn])]
 
 
 def wide_decode(tokens: int | None, slots: int | None, experts: int, k: int, segments: int) -> bool:
@@ -618,8 +630,7 @@ def wide_decode(tokens: int | None, slots: int | None, experts: int, k: int, seg
     if (not GROUPED_SEG or INTERPRETED or segments < 2 or k % segments or seg_path(k, segments)
             or not grouped_decode(tokens, slots, experts) or not seg_tree.fits(k // segments, ROW_SEG["BK"])):
         return False
-    bm = decode_bm(expert_groups(slots, experts)[1])
-    return any(seg_tree.smem_ok(k // segments, SEG_GRID[bm, bn]) for bn in DECODE_BN)
+    return bool(seg_widths(k // segments, decode_bm(expert_groups(slots, experts)[1])))
 
 
 def seg_tiles(tokens: int, slots: int | None, experts: int, n: int, k: int, segments: int, sms: int) -> dict:
@@ -1093,7 +1104,7 @@ def grouped_matmul(x, w, rows, block_expert, out_dtype=None, segments: int = 1, 
     if role == "tree2" and (segments != 2 or tree is False):
         raise KernelLimitError(f"grouped_matmul: role 'tree2' is the 2-segment tree, got segments={segments}, "
                                f"tree={tree}")
-    if slots is not None and (tokens is None or triton.cdiv(slots, ALIGN) + w.shape[0] != rows.shape[0] // ALIGN):
+    if slots is not None and (tokens is None or table_blocks(slots, w.shape[0]) != rows.shape[0] // ALIGN):
         raise KernelLimitError(f"grouped_matmul: slots={slots} (tokens={tokens}) did not build a table of "
                                f"{rows.shape[0] // ALIGN} blocks over {w.shape[0]} experts")
     n_out = w.shape[1] // 2 if glu else w.shape[1]

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from true_on_policy.kernels.limits import KernelLimitError
-from true_on_policy.kernels.matmul import ALIGN, glu_fusable, grouped_matmul, matmul, matmul_reference
+from true_on_policy.kernels.matmul import ALIGN, glu_fusable, grouped_matmul, matmul, matmul_reference, table_blocks
 from true_on_policy.kernels.tree_reduce import finish_tree, rank_in, resolve_width, segments_for, sum_exact, world_size
 
 HBLOCK = 512  # combine: one program per (token, HBLOCK hidden columns); elementwise over columns
@@ -66,12 +66,6 @@ def combine_reference(e: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16
     for j in range(1, e.shape[1]):
         acc = acc + w[:, j, None] * e[:, j]
     return acc.to(out_dtype)
-
-
-def table_blocks(slots: int, num_local: int) -> int:
-    """The expert-sorted table's static bound in blocks of ALIGN rows: ceil(slots / ALIGN) + one partial block
-    for each local expert."""
-    return triton.cdiv(slots, ALIGN) + num_local
 
 
 def align_reference(ids: torch.Tensor, first_expert: int, num_local: int):
