@@ -2,11 +2,11 @@
 # Regenerate the committed evidence, one group at a time (each writes whole files with provenance):
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
-#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | truncselect |
+#        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | widedecode | truncselect |
 #        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
 #        prefilltiles | moetiles | moeorder | v1gap | v1rows | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile, stockmoe,
-#        decodetiles, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
+#        decodetiles, widedecode, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
 #        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, v1gap, v1rows, moeparity, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
@@ -208,6 +208,11 @@ case $GROUP in
     # Coder-480B-A35B's down projections: v1's segments too wide for ROW_SEG's stages (matmul.wide_decode)
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --geometries a35b_h100 \
       --gemms down down_tree --out "$E/bench-decode-tiles-a35b.json" ;;&
+  widedecode)  # issue 37, v1: only matmul.wide_decode (the down projection's 320-column segments at decode): its
+    # tile bitwise the flat loop (TP 1 and 2), and Coder-480B-A35B's down GEMMs timed, bits checked; decodetiles runs both
+    run tier gpu-tier-wide-decode tests/gpu/test_kernels_gpu.py -k "wide_decode or (seg_tree_equals_flat and 2560)"
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --geometries a35b_h100 \
+      --gemms down down_tree --out "$E/bench-decode-tiles-a35b.json" ;;
   truncselect)  # issue 37: the selection kernel and the top-k form against the sort, bitwise (truncate; sample and the
     # trainer with the switch on and off and with and without the host bound at batches 1-256; CUDA-graph replays), then
     # the speed of the three alone and in sample, and the fraction of a batch-256 decode step the sampler's form takes
