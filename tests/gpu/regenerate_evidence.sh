@@ -204,15 +204,14 @@ case $GROUP in
     # kernels.matmul.DECODE_TILES (XDIST=8 runs the tests in 8 workers)
     run tier gpu-tier-decode-tiles tests/gpu/test_kernels_gpu.py \
       -k "decode_tiles or tma or grouped or moe or width_1 or seg_tree or split_planes or tree_flat or wide_decode"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json"
-    # Coder-480B-A35B's down projections: v1's segments too wide for ROW_SEG's stages (matmul.wide_decode)
+    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --out "$E/bench-decode-tiles.json" ;;&
+  widedecode)  # issue 37, v1: only matmul.wide_decode (the down projection's 320-column segments at decode): its
+    # tile bitwise the flat loop (TP 1 and 2; decodetiles' tier runs it too), then the bench line below
+    run tier gpu-tier-wide-decode tests/gpu/test_kernels_gpu.py -k "wide_decode or (seg_tree_equals_flat and 2560)" ;;&
+  decodetiles|widedecode)  # Coder-480B-A35B's down projections: v1's segments too wide for ROW_SEG's stages
+    # (matmul.wide_decode), timed against the flat loop, bits checked
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --geometries a35b_h100 \
       --gemms down down_tree --out "$E/bench-decode-tiles-a35b.json" ;;&
-  widedecode)  # issue 37, v1: only matmul.wide_decode (the down projection's 320-column segments at decode): its
-    # tile bitwise the flat loop (TP 1 and 2), and Coder-480B-A35B's down GEMMs timed, bits checked; decodetiles runs both
-    run tier gpu-tier-wide-decode tests/gpu/test_kernels_gpu.py -k "wide_decode or (seg_tree_equals_flat and 2560)"
-    run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/decode_tiles.py --geometries a35b_h100 \
-      --gemms down down_tree --out "$E/bench-decode-tiles-a35b.json" ;;
   truncselect)  # issue 37: the selection kernel and the top-k form against the sort, bitwise (truncate; sample and the
     # trainer with the switch on and off and with and without the host bound at batches 1-256; CUDA-graph replays), then
     # the speed of the three alone and in sample, and the fraction of a batch-256 decode step the sampler's form takes
@@ -574,7 +573,7 @@ case $GROUP in
       --shape 16x96 4x1024 --repeats 3 --out "$E/trainer-backward-a3b6.json"
     part tests && run tier gpu-tier-colocated tests/gpu/test_ray_gpu.py tests/gpu/test_megatron_gpu.py \
       tests/gpu/test_colocated_gpu.py ;;
-  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|decodetiles|truncselect|all) ;;
+  parity|kernels|trainer|rollout|acceptance|realshape|realshape48|largeshapes|longctx|rl|robustness|decodetiles|widedecode|truncselect|all) ;;
   *) echo "unknown group $GROUP" >&2; exit 2 ;;
 esac
 exit $rc
