@@ -79,6 +79,17 @@ def _tree_width_untouched():
     assert tree_reduce.tree_width() == before, "this test changed the process's tree width: run it in a subprocess"
 
 
+@pytest.fixture(autouse=True)
+def _gpu_cache_freed_under_xdist(request):
+    """Under pytest-xdist the workers share the one GPU: a GPU test hands its cached blocks back to the driver when
+    it ends, so that a worker holds no more than the test it runs."""
+    yield
+    if "gpu" in request.keywords and os.environ.get("PYTEST_XDIST_WORKER") and _cuda():
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     """One cache folder for the embedded checkpoints of the whole session (built once)."""

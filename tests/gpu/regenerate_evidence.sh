@@ -33,9 +33,11 @@ LARGE="--temperature 1.0 --long-prompts 1 --long-len 4096 --chunked-prefill-size
 DEEP="--temperature 1.0 --long-prompts 2 --long-len 8192 --radix-followups 8 --chunked-prefill-size 4096"
 DEEP+=" --cuda-graph-max-bs 80"
 # XDIST=N: the tier's tests in N pytest-xdist workers on the one GPU (the kernel groups are bound by Triton's
-# compiles, which then run in parallel); the controller writes the one gpu-tier.json
+# compiles, which then run in parallel); the controller writes the one gpu-tier.json. Under --dist loadgroup the tests
+# marked xdist_group("big_gpu_memory") run one after another in one worker, and every worker frees its cached blocks
+# after each test (tests/conftest.py), so that the card holds the one big test and the small ones beside it
 tier() { local dir=$1; shift; TRUE_ON_POLICY_EVIDENCE_DIR="$E/$dir" python3 -m pytest -m gpu -q -p no:cacheprovider \
-  ${XDIST:+-n "$XDIST"} "$@"; }
+  ${XDIST:+-n "$XDIST" --dist loadgroup} "$@"; }
 rc=0
 # a geometry by name, a big layer shape (a22b, a35b) at the depth that fits this card: its H200 depth on a card of
 # over 100 GB, else its H100 depth

@@ -784,7 +784,30 @@ def test_tree_width_1_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
     _width_forms_batch_invariant(1, 11, "matmul(x, wo)", gpu_evidence)
 
 
-@pytest.mark.parametrize("geometry", ["30b_a3b", "235b_a22b", "h1536e256k6"])
+# Qwen3-MoE layer geometries (hidden, query heads, KV heads, head_dim, experts, top-k, moe_intermediate): 30B-A3B,
+# 235B-A22B and an odd one; the row counts cross the decode tiles' BLOCK_M steps and DECODE_ROWS
+DECODE_GEOMETRIES = {"30b_a3b": (2048, 32, 4, 128, 128, 8, 768), "235b_a22b": (4096, 64, 4, 128, 128, 8, 1536),
+                     "h1536e256k6": (1536, 24, 6, 128, 256, 6, 512)}
+# A test whose expert weights hold 2**29 elements or more (each drawn in fp32: 2 GiB and up) runs in one xdist group:
+# under ``--dist loadgroup`` (regenerate_evidence.sh's XDIST) those tests run one after another in one worker, so
+# no two of them share the card at once.
+BIG_GPU_MEMORY = pytest.mark.xdist_group("big_gpu_memory")
+
+
+def _big(hidden: int, experts: int, inter: int) -> bool:
+    return hidden * experts * inter >= 2**29
+
+
+def _geometries():
+    """DECODE_GEOMETRIES' names as parameters, the big ones in the big-memory group."""
+    return [pytest.param(n, marks=BIG_GPU_MEMORY) if _big(*(DECODE_GEOMETRIES[n][i] for i in (0, 4, 6))) else n
+            for n in sorted(DECODE_GEOMETRIES)]
+
+
+DECODE_COUNTS = [1, 2, 3, 7, 8, 16, 64, 255, 256, 257, 4096]
+
+
+@pytest.mark.parametrize("geometry", _geometries())
 def test_halves_equal_tree(geometry, gpu_evidence):
     """Tree width 2 (``qwen3_moe_true_on_policy_w2_preview_v1``) at a Qwen3-MoE layer's shapes: the
     two-segment TMA forms (o_proj: every "row" candidate tile through ``halves_tile``; the MoE down
@@ -846,13 +869,6 @@ def test_tree_width_2_forms_are_batch_invariant_at_the_real_shape(gpu_evidence):
     _width_forms_batch_invariant(2, 12, "split_matmul(x, wo, 2)", gpu_evidence)
 
 
-# Qwen3-MoE layer geometries (hidden, query heads, KV heads, head_dim, experts, top-k, moe_intermediate): 30B-A3B,
-# 235B-A22B and an odd one; the row counts cross the decode tiles' BLOCK_M steps and DECODE_ROWS
-DECODE_GEOMETRIES = {"30b_a3b": (2048, 32, 4, 128, 128, 8, 768), "235b_a22b": (4096, 64, 4, 128, 128, 8, 1536),
-                     "h1536e256k6": (1536, 24, 6, 128, 256, 6, 512)}
-DECODE_COUNTS = [1, 2, 3, 7, 8, 16, 64, 255, 256, 257, 4096]
-
-
 def _down_rows(g, t, e, top_k, kd):
     """The MoE down projection's input as the rollout builds it: t tokens routed to top_k of e experts at
     random, ``moe.align``'s table (block experts, token of each row), a random bf16 row per table row and
@@ -865,7 +881,7 @@ def _down_rows(g, t, e, top_k, kd):
     return be, own, _randn(g, own.shape[0], kd), (be >= 0).repeat_interleave(mm.ALIGN) & (own >= 0)
 
 
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
     """``seg_tree`` with the weights by tensor descriptor (``tma``, TRUE_ON_POLICY_SEG_TMA=tma) computes the
     pointer form's bits for the geometry's down projection under v1 (8 segments) and at a TP-2 rank's 4: every
@@ -905,7 +921,7 @@ def test_seg_tree_tma_equals_pointer(geometry, monkeypatch, gpu_evidence):
                          "launches": checked, "bitwise": True})
 
 
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
     """Every tile the plain TMA GEMMs can take (``matmul.candidate_tiles``: ``decode_tile``'s grid and
     the fixed tiles) computes the pointer kernel's bits for qkv, o_proj (tree width 1), the router
@@ -934,7 +950,7 @@ def test_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
                          "tiles": len(mm.candidate_tiles("plain")), "bitwise": True})
 
 
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence):
     """Every tile the grouped TMA GEMMs can take (gate/up, bf16 out; the flat down projection, fp32
     out) computes the pointer kernel's bits at every token count, one tile per program over the
@@ -980,7 +996,7 @@ def test_grouped_decode_tiles_equal_pointer(geometry, monkeypatch, gpu_evidence)
 ORDER_GROUPS = [0, 1, 4, 8, 16]  # M blocks per group of programs (``matmul.program_tile``); 0: the column order
 
 
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_program_order_changes_no_bit(geometry, monkeypatch, gpu_evidence):
     """The MoE's grouped GEMMs above the decode path give the same bits in every order of their programs: the
     gate/up (bf16 out) and the flat down projection (fp32 out) by TMA at the rule's tile (``moe_tile``), and
@@ -1046,7 +1062,7 @@ def _timed_tree_choice(w2, cands):
     return chosen, times
 
 
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_the_tree_tile_choice_keeps_the_bits(geometry, monkeypatch, gpu_evidence):
     """The start-up choice of v1's tree down projection tile above the decode path (``matmul.choose_tree_tiles``)
     times every candidate at the geometry's shape and installs one of them per bucket of rows per expert; then
@@ -1077,6 +1093,7 @@ def test_the_tree_tile_choice_keeps_the_bits(geometry, monkeypatch, gpu_evidence
                                     for r, c in chosen.items()}})
 
 
+@BIG_GPU_MEMORY
 def test_the_wide_segment_choice_keeps_the_bits(monkeypatch, gpu_evidence):
     """Where v1's down projection's segments are too wide for ROW_SEG's stages (Coder-480B-A35B's 2560 / 8 = 320
     columns), the start-up choice times the flat loop that runs there against the candidates at the stages that
@@ -1108,7 +1125,7 @@ def test_the_wide_segment_choice_keeps_the_bits(monkeypatch, gpu_evidence):
                                         + ("" if mm.is_seg_tile(c) else " flat loop")) for r, c in chosen.items()}})
 
 
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_silu_in_up_equals_separate(geometry, monkeypatch, gpu_evidence):
     """The gate/up GEMM's GLU form (``grouped_matmul(glu=True)``: a gate tile and its up tile in one
     program, silu(gate) * up stored) computes ``moe.silu_mul`` of the same GEMM's gate/up rows: every
@@ -1154,7 +1171,7 @@ def test_silu_in_up_equals_separate(geometry, monkeypatch, gpu_evidence):
 
 
 @pytest.mark.parametrize("segments", [8, 4, 2, 1])  # local segments at TP 1, 2, 4, 8 (K sharded alike)
-@pytest.mark.parametrize("geometry", sorted(DECODE_GEOMETRIES))
+@pytest.mark.parametrize("geometry", _geometries())
 def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evidence):
     """Every tile the tree GEMMs can take (``matmul.candidate_tiles``: "split" with 1, 2 and 4 segments
     per plane, "tree", "seg_tree" over the whole table and as the decode path launches it, the block
@@ -1210,6 +1227,7 @@ def test_tree_decode_tiles_equal_fixed(geometry, segments, monkeypatch, gpu_evid
                          "tiles": {r: len(mm.candidate_tiles(r)) for r in mm.TREE_ROLES}, "bitwise": True})
 
 
+@BIG_GPU_MEMORY
 @pytest.mark.parametrize("segments", [8, 4])  # TP 1 and 2: 2560 / 8 and 1280 / 4, segments of 320 columns
 def test_wide_decode_equals_flat(segments, gpu_evidence):
     """Coder-480B-A35B's MoE down projection, whose segments are too wide for ROW_SEG's stages: at decode token counts
