@@ -12,6 +12,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def regenerate_function(name: str) -> str:
+    """The bash function ``name`` of tests/gpu/regenerate_evidence.sh: its lines from ``name() {`` to the first that
+    ends with ``}``, to run on its own."""
+    lines = (ROOT / "tests" / "gpu" / "regenerate_evidence.sh").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"{name}() {{"))
+    end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith("}"))
+    return "\n".join(lines[start:end + 1])
+
+
 # The start of a ``run_py`` script that drives patches/cuda_graph.py's captures on the CPU: a scheduler's
 # patches under v1 (``patches``, ``att`` = kernels.attention, ``cuda_graph`` imported) and a fake model runner
 # ``MR``: two attention layers of 8 query / 2 KV heads at D 128 and one of 16 / 4 at D 64, a KV pool of 10

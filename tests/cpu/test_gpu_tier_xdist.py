@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, regenerate_function
 
 PROBE = """
 import json, os
@@ -51,13 +51,10 @@ def test_big_expert_weights_share_one_group_and_the_rest_none(groups):
 
 @pytest.mark.parametrize(("xdist", "want"), [("8", ["-n", "8", "--dist", "loadgroup"]), ("", [])])
 def test_the_tier_runs_its_workers_by_group(tmp_path, xdist, want):
-    lines = (ROOT / "tests" / "gpu" / "regenerate_evidence.sh").read_text().splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("tier() {"))
-    end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith("}"))
     fake = tmp_path / "python3"
     fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     fake.chmod(0o755)
-    script = "E=ev\n" + "\n".join(lines[start:end + 1]) + "\ntier gpu-tier-x tests/gpu/test_kernels_gpu.py -k tma"
+    script = "E=ev\n" + regenerate_function("tier") + "\ntier gpu-tier-x tests/gpu/test_kernels_gpu.py -k tma"
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", XDIST=xdist)
     args = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert args == ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *want,

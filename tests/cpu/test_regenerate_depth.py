@@ -8,18 +8,15 @@ import os
 import subprocess
 
 import pytest
-from helpers import ROOT
+from helpers import regenerate_function
 
 
 @pytest.mark.parametrize(("mib", "want"), [(143771, "_h200"), (81559, "_h100")])
 def test_a_big_layer_shape_takes_the_depth_that_fits_the_card(tmp_path, mib, want):
-    lines = (ROOT / "tests" / "gpu" / "regenerate_evidence.sh").read_text().splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("depth() {"))
-    end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith("esac; }"))
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\necho {mib}\necho {mib}\n")
     smi.chmod(0o755)
-    script = "\n".join(lines[start:end + 1]) + '\nfor g in a22b a35b a22b_h100 a35b_h200 a3b48; do depth "$g"; done'
+    script = regenerate_function("depth") + '\nfor g in a22b a35b a22b_h100 a35b_h200 a3b48; do depth "$g"; done'
     out = subprocess.run(["bash", "-c", script], env=dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}"),
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [f"a22b{want}", f"a35b{want}", "a22b_h100", "a35b_h200", "a3b48"]
