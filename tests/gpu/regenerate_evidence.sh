@@ -3,11 +3,11 @@
 #   bash tests/gpu/regenerate_evidence.sh GROUP [ROOT]      (ROOT default: the checkout; files go to ROOT/evidence/)
 # GROUP: parity | robustness | kernels | trainer | rollout | acceptance | realshape | realshape48 | largeshapes | longctx | bench | sweep | rl |
 #        flat | flatcover | throughput | default | pgpreview | space | tailprofile | colocated | decodetiles | widedecode | truncselect |
-#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | prefillchoice |
+#        attntiles | ropeqk | qknormrope | silu | siluup | densetiles | attnsplits | flatloop | prefillflat | segtma | segsmem | prefillchoice |
 #        prefilltiles | moetiles | moeorder | v1gap | v1rows | moeparity | tilechoice | sampler | segsplit | contracts | w2 | stockmoe | tp2 | pp2 (two GPUs each) | all (the one-GPU groups but realshape48, flat, flatcover, throughput,
 #        default, pgpreview, space, tailprofile, stockmoe,
 #        decodetiles, widedecode, truncselect, attntiles, ropeqk, qknormrope, silu, siluup, densetiles, attnsplits, flatloop,
-#        prefillflat, segtma, prefillchoice, prefilltiles, moetiles, moeorder, v1gap, v1rows, moeparity, tilechoice, sampler, segsplit, contracts and w2)
+#        prefillflat, segtma, segsmem, prefillchoice, prefilltiles, moetiles, moeorder, v1gap, v1rows, moeparity, tilechoice, sampler, segsplit, contracts and w2)
 # realshape48 builds the full 48-layer 30B-A3B geometry (a 57 GB checkpoint): on a host whose disk
 # cannot hold it, point TRUE_ON_POLICY_CACHE at a tmpfs (e.g. /dev/shm/tpo-cache) first.
 # On a copy without .git, export TRUE_ON_POLICY_GIT_COMMIT=<the commit it was made from> first.
@@ -363,6 +363,16 @@ case $GROUP in
     run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/throughput.py --geometry a3b48 --workload plain tail \
       --variants ${VARIANTS:-stock tpo_v1 tpo_v1_segtma} --new-tokens 256 --one-engine --repeats 1 --mem 0.85 --http \
       --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-segtma.json" ;;
+  segsmem)  # issue 37, v1: the tree down projection with its waiting partials in shared memory (kernels/seg_tree_smem.py,
+    # Gluon; timed, in no server): its bits against ROW_FLAT's at every tile it offers, plain and grouped, then the
+    # down GEMM's prefill times at a3b48's and the 235B-A22B layer's shapes beside every seg_tree tile, the rollout's
+    # call and the flat form (down_flat)
+    export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
+    run tier gpu-tier-seg-smem tests/gpu/test_kernels_gpu.py -k "seg_tree_smem"
+    for g in a3b48 a22b_h100; do
+      run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down down_flat --moe-geometry "$g" \
+        --tokens 512 2048 4096 8192 --out "$E/bench-seg-smem-$g.json"
+    done ;;
   prefillchoice)  # issue 37: the prefill tile chosen at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose, opt-in): the
     # choice as the first graph capture runs it at four head layouts, its bits and every candidate's against the
     # default, with the decode choice's tests (the two share their graph timing); h1536e256k6's and a3b48's plain and

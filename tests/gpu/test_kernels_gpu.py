@@ -649,6 +649,49 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     gpu_evidence.append({"test": f"seg_tree_{tiles}_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
 
 
+SMEM_TILES = {"m128": None,  # seg_tree_smem.TILE
+               "m128k64": dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3),
+               "m64": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6)}
+
+
+@pytest.mark.parametrize("tiles", sorted(SMEM_TILES))
+@pytest.mark.parametrize("rows,n_out,k,segments", [(1, 2048, 768, 8), (257, 2048, 768, 8), (4097, 2048, 768, 8),
+                                                   (64, 2048, 384, 4), (33, 2048, 4096, 8), (300, 136, 1536, 8),
+                                                   (65, 512, 192, 2), (65, 512, 96, 1), (300, 512, 2560, 8),
+                                                   (2049, 4096, 1536, 8)])
+def test_seg_tree_smem_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
+    """``seg_tree_smem`` (the tree's waiting partials in shared memory, Gluon) computes ROW_FLAT's bits, plain and
+    expert-grouped through ``align``'s table, at every tile it offers, where its chunks split the segments."""
+    import true_on_policy.kernels.matmul as mm
+    import true_on_policy.kernels.seg_tree_smem as sm
+    from true_on_policy.kernels.limits import KernelLimitError
+    from true_on_policy.kernels.moe import align
+
+    cfg = SMEM_TILES[tiles] or sm.TILE
+    g = _gen(rows + k + segments)
+    x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
+    we = _randn(g, 4, n_out, k, scale=0.02)
+    ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
+    table, be, _, _ = align(ids, 0, 4)
+    real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
+    try:
+        sm.check(x, w, torch.empty(1, 1, dtype=torch.float32, device="cuda"), segments, cfg)
+    except KernelLimitError as e:
+        pytest.skip(str(e))
+    flat = mm._launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows,
+                      segments, mm.ROW_FLAT)
+    got = sm.launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows, segments,
+                    cfg)
+    _same(got, flat, f"plain {tiles} rows={rows} K={k} S={segments}")
+    gflat = mm._launch(x, we, torch.empty(table.shape[0], n_out, dtype=torch.float32, device="cuda"), table,
+                       be.repeat_interleave(mm.ALIGN // mm.ROW_FLAT["BLOCK_M"]), table.shape[0], segments, mm.ROW_FLAT)
+    bexp = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
+    for group in (0, 8):
+        gsm = sm.launch(x, we, torch.empty_like(gflat), table, bexp, table.shape[0], segments, cfg, group=group)
+        _same(gsm[real], gflat[real], f"grouped {tiles} group={group} rows={rows} K={k} S={segments}")
+    gpu_evidence.append({"test": f"seg_tree_smem_{tiles}_r{rows}_n{n_out}_k{k}_s{segments}", "bitwise": True})
+
+
 GT_TILES = {"m16": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
             "m64": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
             "m128k64": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
