@@ -94,6 +94,27 @@ def seg_tree_kernel(cfg: dict, seg: int, segments: int, subtiles: int, tma: bool
     return compile_sm90(seg_tree._seg_tree_kernel, types, consts, div16, cfg["num_warps"], cfg["num_stages"])
 
 
+def seg_tree_smem_kernel(cfg: dict, seg: int, segments: int = 8, group: int = 0):
+    """``seg_tree_smem._seg_tree_smem_kernel`` (Gluon: the tree's waiting partials in shared memory) for segments of
+    ``seg`` columns, expert-grouped and gathered as the MoE's down projection launches it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from true_on_policy.kernels import seg_tree_smem
+
+    fn = seg_tree_smem._seg_tree_smem_kernel
+    types = {"A": "*bf16", "B": "*bf16", "C": "*fp32", "A_IDX": "*i32", "BLOCK_EXPERT": "*i32", "M": "i32", "N": "i32",
+             "SEG": "i32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32"}
+    consts = dict(HAS_IDX=True, GROUPED=True, SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                  BK=cfg["BK"], CPS=seg // cfg["BK"], STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"])
+    div16 = ["A", "B", "C", "A_IDX", "BLOCK_EXPERT", "N", "SEG", "stride_am", "stride_be", "stride_bn", "stride_cm"]
+    sig = {**types, **{k: "constexpr" for k in consts}}
+    sig = {n: sig[n] for n in fn.arg_names if n in sig}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+
+
 def grouped_tma_kernel(cfg: dict, n: int, k: int, out: str = "bf16", group: int = 0, subtiles: int = 1):
     """``grouped_tma._grouped_tma_kernel`` (the MoE's gate/up, ``out`` bf16, or flat down projection, fp32) for
     an [E, n, k] weight, specialised as at launch; ``group`` its GROUP (0: the 2-D grid)."""

@@ -161,3 +161,27 @@ def test_the_wide_segments_decode_tiles_compile_within_a_block_s_shared_memory(c
         assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= seg_tree.BLOCK_SMEM, (cfg, got)
         assert got["HGMMA" if cfg["BLOCK_M"] >= 64 else "HMMA"] > 0, (cfg, got)
         _tree_as_written(kernel, *seg_tree.chunks_of(320, cfg["BK"]))
+
+
+SMEM_FORMS = [(96, dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5)),
+              (192, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3)),
+              (64, dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6))]
+
+
+@pytest.mark.parametrize("seg,cfg", SMEM_FORMS, ids=[f"seg{s}-{c['BLOCK_M']}x{c['BLOCK_N']}k{c['BK']}" for s, c in SMEM_FORMS])
+def test_the_shared_memory_tree_compiles_without_a_spill_each_segment_from_zero(compile_facts, seg, cfg):
+    """``seg_tree_smem`` (the tree's waiting partials in shared memory) compiles for sm_90a without a spill, within
+    a block's shared memory: each segment's warp-group MMAs in order, the first of each from zero (``useC``
+    false), one MMA step per 16 columns of K, and the fold's seven additions per output element (8 segments)."""
+    from true_on_policy.kernels import seg_tree, seg_tree_smem
+
+    kernel = compile_facts.seg_tree_smem_kernel(cfg, seg, 8, group=mm.MOE_GROUP_M)
+    got = compile_facts.facts(kernel)
+    assert got["spill_store_bytes"] == 0 and got["shared_bytes"] <= seg_tree.BLOCK_SMEM, got
+    assert got["shared_bytes"] >= seg_tree_smem.smem_bytes(cfg), got
+    assert got["HGMMA"] == 8 * seg // 16, got  # each warp group runs every 16-column step of its 64 rows
+    assert got["FADD"] == 7 * cfg["BLOCK_M"] * cfg["BLOCK_N"] // (32 * cfg["num_warps"]), got
+    flags = re.findall(r"ttng\.warp_group_dot %[\w.#]+, %[\w.#]+, %[\w.#]+, (%\w+)", kernel.asm["ttgir"])
+    per = seg // cfg["BK"]
+    assert len(flags) == 8 * per, flags
+    assert [f == "%false" for f in flags] == [i % per == 0 for i in range(8 * per)], flags
