@@ -17,7 +17,8 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   the token count: the decode tiles, above them the tile ``choose_tree_tiles`` timed for the shape, as a server's
   start-up does) with ``SEG_TMA`` off and on and under ``TREE_FIXED`` (ROW_SEG above the decode path), and
   ROW_SEG with its programs in each order (``ORDERS``: groups of 1 to 16 M blocks, ``matmul.program_tile``, or 0,
-  the column order). Every other MoE candidate tile runs its programs in the rollout's order above the decode path
+  the column order), and ``seg_tree_smem`` (the tree's waiting partials in shared memory, Gluon) at ``SMEM``'s
+  tiles whose chunks split the segment. ``--forms`` keeps only the named forms beside the reference. Every other MoE candidate tile runs its programs in the rollout's order above the decode path
   (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
@@ -380,7 +381,7 @@ def moe_shape(geometry: str | None) -> dict:
             "inter": s["moe_intermediate_size"]}
 
 
-def run(tokens, gemms, copies=1, dense_geometry=None, moe_geometry=None):
+def run(tokens, gemms, copies=1, dense_geometry=None, moe_geometry=None, forms=None):
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.moe as moe
 
@@ -405,6 +406,8 @@ def run(tokens, gemms, copies=1, dense_geometry=None, moe_geometry=None):
             ref = ref_fn()
             ref = ref[mask] if mask is not None else ref
             per = copies if gemm in ROLE else 1  # dense GEMMs run once per weight copy
+            if forms:  # only the candidates whose form names one of ``forms`` (the reference always)
+                cands = [c for c in cands if any(c[0] == f or c[0].startswith(f + " ") for f in forms)]
             for name, cfg, fn in [("reference", {}, ref_fn)] + cands:
                 try:
                     ms = _time(fn) / per
@@ -445,14 +448,16 @@ def main(argv=None):
                     "benchmarks/geometries.py (default: 30B-A3B's layer)")
     ap.add_argument("--moe-geometry", help="take down, down_flat and gate_up's shapes (experts, top-k, hidden, "
                     "moe_intermediate) from this geometry of benchmarks/geometries.py (default: 30B-A3B's layer)")
+    ap.add_argument("--forms", nargs="+", help="time only the candidates of these forms (e.g. rollout seg_tree_smem; "
+                    "a form and its variants: \"seg_tree\" keeps \"seg_tree order\"), beside the reference")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from true_on_policy.harness.provenance import provenance, write_evidence
 
     prov = provenance(None if argv is None else ["python", "benchmarks/gemm_sweep.py", *argv])
-    rows = run(a.tokens, a.gemms, a.copies, a.dense_geometry, a.moe_geometry)
+    rows = run(a.tokens, a.gemms, a.copies, a.dense_geometry, a.moe_geometry, a.forms)
     if a.out:
-        write_evidence(a.out, {"copies": a.copies, "dense_geometry": a.dense_geometry or "a3b48 (layer)",
+        write_evidence(a.out, {"copies": a.copies, "forms": a.forms, "dense_geometry": a.dense_geometry or "a3b48 (layer)",
                                "dense_shapes": dense_shapes(a.dense_geometry),
                                "moe_geometry": a.moe_geometry or "a3b48 (layer)", "moe_shape": moe_shape(a.moe_geometry),
                                "rows": rows}, prov)

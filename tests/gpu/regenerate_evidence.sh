@@ -365,13 +365,13 @@ case $GROUP in
       --make-room --resume ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} --out "$E/throughput-space-a3b48-segtma.json" ;;
   segsmem)  # issue 37, v1: the tree down projection with its waiting partials in shared memory (kernels/seg_tree_smem.py,
     # Gluon; timed, in no server): its bits against ROW_FLAT's at every tile it offers, plain and grouped, then the
-    # down GEMM's prefill times at a3b48's and the 235B-A22B layer's shapes beside every seg_tree tile, the rollout's
-    # call and the flat form (down_flat)
+    # down GEMM's prefill times at a3b48's and the 235B-A22B layer's shapes beside the rollout's call (the start-up
+    # choice's tile) and the flat form's (down_flat)
     export TRUE_ON_POLICY_CACHE=${TRUE_ON_POLICY_CACHE:-/dev/shm/tpo-cache}
     run tier gpu-tier-seg-smem tests/gpu/test_kernels_gpu.py -k "seg_tree_smem"
     for g in a3b48 a22b_h100; do
       run env PYTHONPATH=.:${PYTHONPATH:-} python3 benchmarks/gemm_sweep.py --gemms down down_flat --moe-geometry "$g" \
-        --tokens 512 2048 4096 8192 --out "$E/bench-seg-smem-$g.json"
+        --tokens 512 2048 4096 8192 --forms rollout seg_tree_smem "grouped_matmul" --out "$E/bench-seg-smem-$g.json"
     done ;;
   prefillchoice)  # issue 37: the prefill tile chosen at start-up (TRUE_ON_POLICY_PREFILL_LOOP=choose, opt-in): the
     # choice as the first graph capture runs it at four head layouts, its bits and every candidate's against the
