@@ -106,7 +106,8 @@ def seg_tree_smem_kernel(cfg: dict, seg: int, segments: int = 8, group: int = 0)
     types = {"A": "*bf16", "B": "*bf16", "C": "*fp32", "A_IDX": "*i32", "BLOCK_EXPERT": "*i32", "M": "i32", "N": "i32",
              "SEG": "i32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32"}
     consts = dict(HAS_IDX=True, GROUPED=True, SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  BK=cfg["BK"], CPS=seg // cfg["BK"], STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"])
+                  BK=cfg["BK"], CPS=seg // cfg["BK"], STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"],
+                  PINGPONG=cfg.get("PINGPONG", False))
     div16 = ["A", "B", "C", "A_IDX", "BLOCK_EXPERT", "N", "SEG", "stride_am", "stride_be", "stride_bn", "stride_cm"]
     sig = {**types, **{k: "constexpr" for k in consts}}
     sig = {n: sig[n] for n in fn.arg_names if n in sig}

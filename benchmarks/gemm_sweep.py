@@ -96,7 +96,9 @@ SEG = [dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
 # seg_tree_smem's tiles (the tree's waiting partials in shared memory): the tree down projection's, beside SEG's
 SMEM = [dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5),
         dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3),
-        dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6)]
+        dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6),
+        dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True),  # two accumulators: a segment
+        dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6, PINGPONG=True)]  # folds while the next multiplies
 UP_TMA = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
@@ -207,8 +209,9 @@ def _cases(gemm, t, g, w, mm, moe):
             return lambda: sm.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, group=order)
         fits = [c for c in SEG if st.fits(inter // 8, c["BK"])]
         cands = [("seg_tree", dict(c, group=order), seg(c)) for c in fits]
-        cands += [("seg_tree_smem", dict(c, num_stages=c["STAGES"], group=order), smem(c)) for c in SMEM
-                  if (inter // 8) % c["BK"] == 0]
+        cands += [("seg_tree_smem" + (" pingpong" if c.get("PINGPONG") else ""),
+                   dict({k: v for k, v in c.items() if k != "PINGPONG"}, num_stages=c["STAGES"], group=order), smem(c))
+                  for c in SMEM if (inter // 8) % c["BK"] == 0]
         cands += [("seg_tree_tma", dict(c, group=order), seg(c, True)) for c in fits]
         cands += [("seg_tree order", dict(mm.ROW_SEG, group=grp), ordered(grp)) for grp in ORDERS]
         cands += [("rollout", {"SEG_TMA": False}, rollout(False)), ("rollout", {"SEG_TMA": True}, rollout(True)),

@@ -40,11 +40,37 @@ def _issue(A, B, a_rows, row_ok, cols, col_ok, k0, a_buf, b_buf, stride_am, stri
     async_copy.commit_group()
 
 
+@gluon.jit
+def _fold(y, p1, root, p2_buf, p4_buf, S: gl.constexpr, SEGMENTS: gl.constexpr, MMA: gl.constexpr):
+    """Segment S's partial ``y`` into the tree: ``seg_tree``'s additions with the same operands; a pair's sum (P2)
+    and a half's (P4) wait in shared memory. Returns (p1, root)."""
+    if S % 2 == 0:
+        p1 = y
+        if SEGMENTS == 1:
+            root = y
+    else:
+        v1 = p1 + y
+        if SEGMENTS == 2:
+            root = v1
+        elif S % 4 == 1:
+            p2_buf.store(v1)
+        else:
+            v2 = p2_buf.load(MMA) + v1
+            if SEGMENTS == 4:
+                root = v2
+            elif S % 8 == 3:
+                p4_buf.store(v2)
+            else:
+                root = p4_buf.load(MMA) + v2
+    return p1, root
+
+
 @gluon.jit(do_not_specialize=["M"])
 def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, stride_be, stride_bn, stride_cm,
                           HAS_IDX: gl.constexpr, GROUPED: gl.constexpr, SEGMENTS: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BK: gl.constexpr, CPS: gl.constexpr,
-                          STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+                          STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
+                          PINGPONG: gl.constexpr = False):
     # the program's tile: matmul.program_tile's order (GROUP > 0) or the 2-D grid
     n_m = gl.cdiv(M, BLOCK_M)
     n_n = gl.cdiv(N, BLOCK_N)
@@ -95,9 +121,10 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
             if i < TOTAL:
                 _issue(A, B, a_rows, row_ok, cols, col_ok, (i // CPS) * SEG + (i % CPS) * BK, a_bufs.index(i),
                        b_bufs.index(i), stride_am, stride_bn, BK, LOAD)
-        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)
-        p1 = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)
-        root = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)
+        acc_e = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)  # the even segments' accumulator
+        acc_o = acc_e  # the odd segments' (PINGPONG; else one accumulator, acc_e)
+        p1 = acc_e
+        root = acc_e
         for s in gl.static_range(SEGMENTS):
             for j in gl.static_range(CPS):
                 # chunk s * CPS + j: its copies are the oldest group open past the ones issued after it
@@ -105,35 +132,37 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
                                       else TOTAL - 1 - (s * CPS + j))
                 fence_async_shared()
                 gl.thread_barrier()
-                acc = warpgroup_mma(a_bufs.index((s * CPS + j) % STAGES),
-                                    b_bufs.index((s * CPS + j) % STAGES).permute((1, 0)), acc, use_acc=j > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                a_s = a_bufs.index((s * CPS + j) % STAGES)
+                b_s = b_bufs.index((s * CPS + j) % STAGES).permute((1, 0))
+                if PINGPONG and s % 2 == 1:
+                    acc_o = warpgroup_mma(a_s, b_s, acc_o, use_acc=j > 0, is_async=True)
+                    if j == 0:  # segment s - 1 is done once at most this MMA is open: fold it while this one runs
+                        acc_e = warpgroup_mma_wait(num_outstanding=1, deps=(acc_e,))
+                        p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s - 1, SEGMENTS, MMA)
+                    else:
+                        acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o,))
+                else:
+                    acc_e = warpgroup_mma(a_s, b_s, acc_e, use_acc=j > 0, is_async=True)
+                    if PINGPONG and j == 0 and s > 0:
+                        acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o,))
+                        p1, root = _fold(acc_o, p1, root, p2_buf, p4_buf, s - 1, SEGMENTS, MMA)
+                    else:
+                        acc_e = warpgroup_mma_wait(num_outstanding=1, deps=(acc_e,))
                 if s * CPS + j + STAGES - 2 < TOTAL:  # its stage's last reader, two chunks back, is done (the barrier)
                     _issue(A, B, a_rows, row_ok, cols, col_ok,
                            ((s * CPS + j + STAGES - 2) // CPS) * SEG + ((s * CPS + j + STAGES - 2) % CPS) * BK,
                            a_bufs.index((s * CPS + j + STAGES - 2) % STAGES),
                            b_bufs.index((s * CPS + j + STAGES - 2) % STAGES), stride_am, stride_bn, BK, LOAD)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # the fold: seg_tree's additions with the same operands; P2 and P4 wait in shared memory
-            if s % 2 == 0:
-                p1 = acc
-                if SEGMENTS == 1:
-                    root = acc
+            if not PINGPONG:
+                acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
+                p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s, SEGMENTS, MMA)
+        if PINGPONG:  # the last segment
+            if (SEGMENTS - 1) % 2 == 1:
+                acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o,))
+                p1, root = _fold(acc_o, p1, root, p2_buf, p4_buf, SEGMENTS - 1, SEGMENTS, MMA)
             else:
-                v1 = p1 + acc
-                if SEGMENTS == 2:
-                    root = v1
-                elif s % 4 == 1:
-                    p2_buf.store(v1)
-                else:
-                    v2 = p2_buf.load(MMA) + v1
-                    if SEGMENTS == 4:
-                        root = v2
-                    elif s % 8 == 3:
-                        p4_buf.store(v2)
-                    else:
-                        root = p4_buf.load(MMA) + v2
+                acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
+                p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, SEGMENTS - 1, SEGMENTS, MMA)
         out_rows = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))).to(gl.int64)
         out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
         gl.store(C + out_rows[:, None] * stride_cm + out_cols[None, :], root,
@@ -180,5 +209,5 @@ def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict =
             rows, n, seg, x.stride(0), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), out.stride(-2),
             HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=segments,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], CPS=seg // cfg["BK"],
-            STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"])
+            STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"], PINGPONG=cfg.get("PINGPONG", False))
     return out

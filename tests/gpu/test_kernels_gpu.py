@@ -651,7 +651,9 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
 
 SMEM_TILES = {"m128": None,  # seg_tree_smem.TILE
                "m128k64": dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3),
-               "m64": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6)}
+               "m64": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6),
+               "m128pingpong": dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True),
+               "m64pingpong": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6, PINGPONG=True)}
 
 
 @pytest.mark.parametrize("tiles", sorted(SMEM_TILES))
@@ -660,7 +662,8 @@ SMEM_TILES = {"m128": None,  # seg_tree_smem.TILE
                                                    (65, 512, 96, 1), (300, 512, 2560, 8), (2049, 4096, 1536, 8)])
 def test_seg_tree_smem_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     """``seg_tree_smem`` (the tree's waiting partials in shared memory, Gluon) computes ROW_FLAT's bits, plain and
-    expert-grouped through ``align``'s table, at every tile it offers, where its chunks split the segments."""
+    expert-grouped through ``align``'s table, at every tile it offers, with one accumulator and with two (PINGPONG: a
+    segment folds while the next multiplies), where its chunks split the segments."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree_smem as sm
     from true_on_policy.kernels.limits import KernelLimitError
