@@ -6,6 +6,8 @@ registers, where three fp32 partials beside the segment's accumulator hold its p
 32 x 128). Here the two partials that wait longest, a pair's sum (``P2``) and a half's (``P4``), wait in shared
 memory; the last segment's sibling (``p1``) and the accumulator stay in registers, so a 128 x 128 tile over 8 warps
 keeps two fp32 tiles in registers (128 a thread) and 128 KB of partials in shared memory beside its stages.
+``PINGPONG``: the even and the odd segments accumulate in two register tiles, so a segment's fold waits only for its
+own MMAs while the next segment's first one runs (three fp32 tiles in registers).
 
 Bits: each segment is the same 16-wide MMA steps from its first column upward, from zero (``use_acc=False`` on its
 first step), as ``seg_tree``'s chunks; the fold's additions and their operands are ``seg_tree``'s. The operands go
