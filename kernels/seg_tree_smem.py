@@ -1,4 +1,4 @@
-"""The segment-tree GEMM with the tree's waiting partials in shared memory (Gluon, Hopper; opt-in, timed only).
+"""The segment-tree GEMM with the tree's waiting partials in shared memory (Gluon, Hopper; timed only, in no server).
 
 Math: ``seg_tree``'s (K cut into S segments, each its own fp32 GEMM from zero, the partials added in the pairwise
 tree ((y0+y1)+(y2+y3))+((y4+y5)+(y6+y7)), no rounding before the output). ``seg_tree`` folds the tree in
@@ -11,10 +11,11 @@ own MMAs while the next segment's first one runs (three fp32 tiles in registers)
 
 Bits: each segment is the same 16-wide MMA steps from its first column upward, from zero (``use_acc=False`` on its
 first step), as ``seg_tree``'s chunks; the fold's additions and their operands are ``seg_tree``'s. The operands go
-through shared memory by ``cp.async`` in chunks of BK columns (BK divides the segment), STAGES chunks in flight; the
-loop over segments and chunks is unrolled, so every buffer index and fold step is a constant. Row i of the output
-depends only on row i of the gathered activations and on W. The GPU tier compares it with ``seg_tree`` bit for bit
-(``tests/gpu/test_seg_tree_smem_gpu.py``); ``benchmarks/seg_tree_smem.py`` times the two.
+through shared memory by ``cp.async`` in chunks of BK columns (BK divides the segment) into STAGES buffers, STAGES - 2
+chunks ahead of the MMA; the loop over segments and chunks is unrolled, so every buffer index and fold step is a
+constant. Row i of the output depends only on row i of the gathered activations and on W. The GPU tier compares it
+with ROW_FLAT bit for bit (``tests/gpu/test_kernels_gpu.py::test_seg_tree_smem_equals_flat``);
+``benchmarks/gemm_sweep.py`` times it beside ``seg_tree`` (``regenerate_evidence.sh segsmem``).
 """
 
 from __future__ import annotations
@@ -93,82 +94,81 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
         if gl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
             return
         B += expert.to(gl.int64) * stride_be
-    if True:
-        LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BK, BK // 8],
-                                              warps_per_cta=[num_warps, 1], order=[1, 0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BLOCK_N, 16])
-        A_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
-        B_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BK], gl.bfloat16)
-        P_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], A_SH)
-        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BK], B_SH)
-        p2_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], P_SH)
-        p4_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], P_SH)
+    LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BK, BK // 8],
+                                          warps_per_cta=[num_warps, 1], order=[1, 0])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    A_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    B_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BK], gl.bfloat16)
+    P_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], A_SH)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BK], B_SH)
+    p2_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], P_SH)
+    p4_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], P_SH)
 
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
-        row_ok = rows < M
-        if HAS_IDX:
-            a_rows = gl.load(A_IDX + rows, mask=row_ok, other=-1)
-            row_ok = row_ok & (a_rows >= 0)
-            a_rows = gl.where(row_ok, a_rows, 0).to(gl.int64)
-        else:
-            a_rows = rows.to(gl.int64)
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-        col_ok = cols < N
-        cols = gl.where(col_ok, cols, 0).to(gl.int64)
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
+    row_ok = rows < M
+    if HAS_IDX:
+        a_rows = gl.load(A_IDX + rows, mask=row_ok, other=-1)
+        row_ok = row_ok & (a_rows >= 0)
+        a_rows = gl.where(row_ok, a_rows, 0).to(gl.int64)
+    else:
+        a_rows = rows.to(gl.int64)
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+    col_ok = cols < N
+    cols = gl.where(col_ok, cols, 0).to(gl.int64)
 
-        TOTAL: gl.constexpr = SEGMENTS * CPS
-        for i in gl.static_range(STAGES - 2):  # STAGES - 2 chunks ahead: a stage is refilled two chunks after its MMA
-            if i < TOTAL:
-                _issue(A, B, a_rows, row_ok, cols, col_ok, (i // CPS) * SEG + (i % CPS) * BK, a_bufs.index(i),
-                       b_bufs.index(i), stride_am, stride_bn, BK, LOAD)
-        acc_e = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)  # the even segments' accumulator
-        acc_o = acc_e  # the odd segments' (PINGPONG; else one accumulator, acc_e)
-        p1 = acc_e
-        root = acc_e
-        for s in gl.static_range(SEGMENTS):
-            for j in gl.static_range(CPS):
-                # chunk s * CPS + j: its copies are the oldest group open past the ones issued after it
-                async_copy.wait_group(STAGES - 3 if TOTAL - 1 - (s * CPS + j) > STAGES - 3
-                                      else TOTAL - 1 - (s * CPS + j))
-                fence_async_shared()
-                gl.thread_barrier()
-                a_s = a_bufs.index((s * CPS + j) % STAGES)
-                b_s = b_bufs.index((s * CPS + j) % STAGES).permute((1, 0))
-                if PINGPONG and s % 2 == 1:
-                    acc_o = warpgroup_mma(a_s, b_s, acc_o, use_acc=j > 0, is_async=True)
-                    if j == 0:  # segment s - 1 is done once at most this MMA is open: fold it while this one runs
-                        acc_e = warpgroup_mma_wait(num_outstanding=1, deps=(acc_e,))
-                        p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s - 1, SEGMENTS, MMA)
-                    else:
-                        acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o,))
+    TOTAL: gl.constexpr = SEGMENTS * CPS
+    for i in gl.static_range(STAGES - 2):  # STAGES - 2 chunks ahead: a stage is refilled two chunks after its MMA
+        if i < TOTAL:
+            _issue(A, B, a_rows, row_ok, cols, col_ok, (i // CPS) * SEG + (i % CPS) * BK, a_bufs.index(i),
+                   b_bufs.index(i), stride_am, stride_bn, BK, LOAD)
+    acc_e = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)  # the even segments' accumulator
+    acc_o = acc_e  # the odd segments' (PINGPONG; else one accumulator, acc_e)
+    p1 = acc_e
+    root = acc_e
+    for s in gl.static_range(SEGMENTS):
+        for j in gl.static_range(CPS):
+            # chunk s * CPS + j: its copies are the oldest group open past the ones issued after it
+            async_copy.wait_group(STAGES - 3 if TOTAL - 1 - (s * CPS + j) > STAGES - 3
+                                  else TOTAL - 1 - (s * CPS + j))
+            fence_async_shared()
+            gl.thread_barrier()
+            a_s = a_bufs.index((s * CPS + j) % STAGES)
+            b_s = b_bufs.index((s * CPS + j) % STAGES).permute((1, 0))
+            if PINGPONG and s % 2 == 1:
+                acc_o = warpgroup_mma(a_s, b_s, acc_o, use_acc=j > 0, is_async=True)
+                if j == 0:  # segment s - 1 is done once at most this MMA is open: fold it while this one runs
+                    acc_e = warpgroup_mma_wait(num_outstanding=1, deps=(acc_e,))
+                    p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s - 1, SEGMENTS, MMA)
                 else:
-                    acc_e = warpgroup_mma(a_s, b_s, acc_e, use_acc=j > 0, is_async=True)
-                    if PINGPONG and j == 0 and s > 0:
-                        acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o,))
-                        p1, root = _fold(acc_o, p1, root, p2_buf, p4_buf, s - 1, SEGMENTS, MMA)
-                    else:
-                        acc_e = warpgroup_mma_wait(num_outstanding=1, deps=(acc_e,))
-                if s * CPS + j + STAGES - 2 < TOTAL:  # its stage's last reader, two chunks back, is done (the barrier)
-                    _issue(A, B, a_rows, row_ok, cols, col_ok,
-                           ((s * CPS + j + STAGES - 2) // CPS) * SEG + ((s * CPS + j + STAGES - 2) % CPS) * BK,
-                           a_bufs.index((s * CPS + j + STAGES - 2) % STAGES),
-                           b_bufs.index((s * CPS + j + STAGES - 2) % STAGES), stride_am, stride_bn, BK, LOAD)
-            if not PINGPONG:
-                acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
-                p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s, SEGMENTS, MMA)
-        if PINGPONG:  # the last segment
-            if (SEGMENTS - 1) % 2 == 1:
-                acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o,))
-                p1, root = _fold(acc_o, p1, root, p2_buf, p4_buf, SEGMENTS - 1, SEGMENTS, MMA)
+                    acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o,))
             else:
-                acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
-                p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, SEGMENTS - 1, SEGMENTS, MMA)
-        out_rows = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))).to(gl.int64)
-        out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-        gl.store(C + out_rows[:, None] * stride_cm + out_cols[None, :], root,
-                 mask=(out_rows < M)[:, None] & (out_cols < N)[None, :])
+                acc_e = warpgroup_mma(a_s, b_s, acc_e, use_acc=j > 0, is_async=True)
+                if PINGPONG and j == 0 and s > 0:
+                    acc_o = warpgroup_mma_wait(num_outstanding=1, deps=(acc_o,))
+                    p1, root = _fold(acc_o, p1, root, p2_buf, p4_buf, s - 1, SEGMENTS, MMA)
+                else:
+                    acc_e = warpgroup_mma_wait(num_outstanding=1, deps=(acc_e,))
+            if s * CPS + j + STAGES - 2 < TOTAL:  # its stage's last reader, two chunks back, is done (the barrier)
+                _issue(A, B, a_rows, row_ok, cols, col_ok,
+                       ((s * CPS + j + STAGES - 2) // CPS) * SEG + ((s * CPS + j + STAGES - 2) % CPS) * BK,
+                       a_bufs.index((s * CPS + j + STAGES - 2) % STAGES),
+                       b_bufs.index((s * CPS + j + STAGES - 2) % STAGES), stride_am, stride_bn, BK, LOAD)
+        if not PINGPONG:
+            acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
+            p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s, SEGMENTS, MMA)
+    if PINGPONG:  # the last segment
+        if (SEGMENTS - 1) % 2 == 1:
+            acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o,))
+            p1, root = _fold(acc_o, p1, root, p2_buf, p4_buf, SEGMENTS - 1, SEGMENTS, MMA)
+        else:
+            acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
+            p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, SEGMENTS - 1, SEGMENTS, MMA)
+    out_rows = (pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))).to(gl.int64)
+    out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    gl.store(C + out_rows[:, None] * stride_cm + out_cols[None, :], root,
+             mask=(out_rows < M)[:, None] & (out_cols < N)[None, :])
 
 
 def smem_bytes(cfg: dict) -> int:
@@ -177,7 +177,7 @@ def smem_bytes(cfg: dict) -> int:
             + 2 * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4)
 
 
-def check(x, w, out, segments: int, cfg: dict) -> None:
+def check(x, w, out, segments: int, cfg: dict, a_idx=None, block_expert=None) -> None:
     """Refuse what the kernel does not do, with the reason (KernelLimitError)."""
     k = w.shape[-1]
     problems = []
@@ -185,6 +185,8 @@ def check(x, w, out, segments: int, cfg: dict) -> None:
         problems.append(f"{segments} segments (1, 2, 4 or 8)")
     elif k % segments or (k // segments) % cfg["BK"]:
         problems.append(f"K {k} in {segments} segments is not a whole number of {cfg['BK']}-column chunks")
+    if block_expert is not None and (a_idx is None or w.dim() != 3):
+        problems.append("expert-grouped needs the row table (a_idx) and w [E, N, K]")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
         problems.append("operands and output need unit stride along K / N")
     if out.dtype.itemsize != 4:
@@ -200,7 +202,7 @@ def check(x, w, out, segments: int, cfg: dict) -> None:
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict = TILE, group: int = 0):
     """``seg_tree.launch``'s call (x [*, K] gathered through ``a_idx``; w [N, K] or [E, N, K] with
     ``block_expert`` per BLOCK_M rows; out [rows, N] fp32) with the partials in shared memory."""
-    check(x, w, out, segments, cfg)
+    check(x, w, out, segments, cfg, a_idx, block_expert)
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     n_m, n_n = triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
