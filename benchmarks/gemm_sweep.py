@@ -18,8 +18,9 @@ experts, top-8, through ``moe.align``. GEMMs and their reference (first) form:
   start-up does) with ``SEG_TMA`` off and on and under ``TREE_FIXED`` (ROW_SEG above the decode path), and
   ROW_SEG with its programs in each order (``ORDERS``: groups of 1 to 16 M blocks, ``matmul.program_tile``, or 0,
   the column order), and ``seg_tree_smem`` (the tree's waiting partials in shared memory, Gluon) at ``SMEM``'s
-  tiles whose chunks split the segment. ``--forms`` keeps only the named forms beside the reference. Every other MoE candidate tile runs its programs in the rollout's order above the decode path
-  (``matmul.MOE_GROUP_M`` M blocks a group, named in its row).
+  tiles whose chunks split the segment. ``--forms`` keeps only the named forms beside the reference. Every other
+  MoE candidate tile runs its programs in the rollout's order above the decode path (``matmul.MOE_GROUP_M`` M
+  blocks a group, named in its row).
 - down_flat: the same GEMM at tree width 1 (the flat contract): one plain grouped GEMM, fp32 out;
   reference ``grouped_matmul(tree=False)`` (the gate/up TMA tiles); candidates: the rollout's call (role "down"
   with the token count and slots: ``moe_tile``'s tile above the decode path), that tile in each order of its
@@ -202,6 +203,7 @@ def _cases(gemm, t, g, w, mm, moe):
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
             b = bexp(mm.ROW_SEG["BLOCK_M"])
             return lambda: st.launch(h, w["w2"], out, own, b, rows.shape[0], 8, mm.ROW_SEG, group=grp)
+
         def smem(cfg):  # the partials in shared memory (Gluon), in the rollout's order of programs
             import true_on_policy.kernels.seg_tree_smem as sm
             out = torch.empty(rows.shape[0], n, dtype=torch.float32, device="cuda")
