@@ -107,8 +107,12 @@ def seg_tree_smem_kernel(cfg: dict, seg: int, segments: int = 8, group: int = 0)
              "SEG": "i32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32"}
     consts = dict(HAS_IDX=True, GROUPED=True, SEGMENTS=segments, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                   BK=cfg["BK"], CPS=seg // cfg["BK"], STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"],
-                  PINGPONG=cfg.get("PINGPONG", False))
-    div16 = ["A", "B", "C", "A_IDX", "BLOCK_EXPERT", "N", "SEG", "stride_am", "stride_be", "stride_bn", "stride_cm"]
+                  PINGPONG=cfg.get("PINGPONG", False), TMA_B=cfg.get("TMA_B", False))
+    div16 = ["A", "C", "A_IDX", "BLOCK_EXPERT", "N", "SEG", "stride_am", "stride_be", "stride_bn", "stride_cm"]
+    if cfg.get("TMA_B"):
+        types["B"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BK']}],{seg_tree_smem.b_layout(cfg)!r}>"
+    else:
+        div16.append("B")
     sig = {**types, **{k: "constexpr" for k in consts}}
     sig = {n: sig[n] for n in fn.arg_names if n in sig}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}

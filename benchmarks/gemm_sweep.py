@@ -99,7 +99,9 @@ SMEM = [dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5),
         dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3),
         dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6),
         dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True),  # two accumulators: a segment
-        dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6, PINGPONG=True)]  # folds while the next multiplies
+        dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6, PINGPONG=True),  # folds while the next multiplies
+        dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, TMA_B=True),  # the weights by TMA
+        dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True, TMA_B=True)]
 UP_TMA = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
           dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
@@ -211,8 +213,9 @@ def _cases(gemm, t, g, w, mm, moe):
             return lambda: sm.launch(h, w["w2"], out, own, b, rows.shape[0], 8, cfg, group=order)
         fits = [c for c in SEG if st.fits(inter // 8, c["BK"])]
         cands = [("seg_tree", dict(c, group=order), seg(c)) for c in fits]
-        cands += [("seg_tree_smem" + (" pingpong" if c.get("PINGPONG") else ""),
-                   dict({k: v for k, v in c.items() if k != "PINGPONG"}, num_stages=c["STAGES"], group=order), smem(c))
+        cands += [("seg_tree_smem" + (" pingpong" if c.get("PINGPONG") else "") + (" tma" if c.get("TMA_B") else ""),
+                   dict({k: v for k, v in c.items() if k not in ("PINGPONG", "TMA_B")}, num_stages=c["STAGES"],
+                        group=order), smem(c))
                   for c in SMEM if (inter // 8) % c["BK"] == 0]
         cands += [("seg_tree_tma", dict(c, group=order), seg(c, True)) for c in fits]
         cands += [("seg_tree order", dict(mm.ROW_SEG, group=grp), ordered(grp)) for grp in ORDERS]

@@ -7,7 +7,8 @@ registers, where three fp32 partials beside the segment's accumulator hold its p
 memory; the last segment's sibling (``p1``) and the accumulator stay in registers, so a 128 x 128 tile over 8 warps
 keeps two fp32 tiles in registers (128 a thread) and 128 KB of partials in shared memory beside its stages.
 ``PINGPONG``: the even and the odd segments accumulate in two register tiles, so a segment's fold waits only for its
-own MMAs while the next segment's first one runs (three fp32 tiles in registers).
+own MMAs while the next segment's first one runs (three fp32 tiles in registers). ``TMA_B``: the weights by TMA
+(one barrier a stage), the activations by ``cp.async`` as before.
 
 Bits: each segment is the same 16-wide MMA steps from its first column upward, from zero (``use_acc=False`` on its
 first step), as ``seg_tree``'s chunks; the fold's additions and their operands are ``seg_tree``'s. The operands go
@@ -24,7 +25,13 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from true_on_policy.kernels.limits import KernelLimitError
 
 TILE = dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5)
@@ -32,14 +39,20 @@ BLOCK_SMEM = 227 * 1024
 
 
 @gluon.jit
-def _issue(A, B, a_rows, row_ok, cols, col_ok, k0, a_buf, b_buf, stride_am, stride_bn,
-           BK: gl.constexpr, LOAD: gl.constexpr):
-    """Start chunk ``k0``'s copies (activations [BLOCK_M, BK], weights [BLOCK_N, BK]) into one stage."""
+def _issue(A, B, a_rows, row_ok, cols, col_ok, k0, a_buf, b_buf, bar, n0, stride_am, stride_bn,
+           BK: gl.constexpr, LOAD: gl.constexpr, TMA_B: gl.constexpr):
+    """Start chunk ``k0``'s copies (activations [BLOCK_M, BK], weights [BLOCK_N, BK]) into one stage: the
+    activations by ``cp.async`` (one commit group a chunk), the weights too, or (TMA_B) by TMA from weight row ``n0``
+    onto the stage's barrier ``bar``."""
     ks = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, LOAD))
     a_ptr = A + a_rows[:, None] * stride_am + ks[None, :]
     async_copy.async_copy_global_to_shared(a_buf, a_ptr, mask=row_ok[:, None])
-    b_ptr = B + cols[:, None] * stride_bn + ks[None, :]
-    async_copy.async_copy_global_to_shared(b_buf, b_ptr, mask=col_ok[:, None])
+    if TMA_B:
+        mbarrier.expect(bar, B.block_type.nbytes)
+        tma.async_copy_global_to_shared(B, [n0, k0], bar, b_buf)
+    else:
+        b_ptr = B + cols[:, None] * stride_bn + ks[None, :]
+        async_copy.async_copy_global_to_shared(b_buf, b_ptr, mask=col_ok[:, None])
     async_copy.commit_group()
 
 
@@ -73,7 +86,7 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
                           HAS_IDX: gl.constexpr, GROUPED: gl.constexpr, SEGMENTS: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BK: gl.constexpr, CPS: gl.constexpr,
                           STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
-                          PINGPONG: gl.constexpr = False):
+                          PINGPONG: gl.constexpr = False, TMA_B: gl.constexpr = False):
     # the program's tile: matmul.program_tile's order (GROUP > 0) or the 2-D grid
     n_m = gl.cdiv(M, BLOCK_M)
     n_n = gl.cdiv(N, BLOCK_N)
@@ -93,7 +106,11 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
             return
         if gl.load(A_IDX + pid_m * BLOCK_M) < 0:  # a block whose first row is padding is all padding
             return
-        B += expert.to(gl.int64) * stride_be
+        if not TMA_B:
+            B += expert.to(gl.int64) * stride_be
+    n0 = pid_n * BLOCK_N  # TMA_B: the tile's first row of the [E * N, K] view (rows past N are never stored)
+    if GROUPED:
+        n0 += expert * N
     LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BK, BK // 8],
                                           warps_per_cta=[num_warps, 1], order=[1, 0])
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -105,6 +122,10 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BK], B_SH)
     p2_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], P_SH)
     p4_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], P_SH)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA_B:
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
 
     rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
     row_ok = rows < M
@@ -122,7 +143,7 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
     for i in gl.static_range(STAGES - 2):  # STAGES - 2 chunks ahead: a stage is refilled two chunks after its MMA
         if i < TOTAL:
             _issue(A, B, a_rows, row_ok, cols, col_ok, (i // CPS) * SEG + (i % CPS) * BK, a_bufs.index(i),
-                   b_bufs.index(i), stride_am, stride_bn, BK, LOAD)
+                   b_bufs.index(i), bars.index(i), n0, stride_am, stride_bn, BK, LOAD, TMA_B)
     acc_e = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=MMA)  # the even segments' accumulator
     acc_o = acc_e  # the odd segments' (PINGPONG; else one accumulator, acc_e)
     p1 = acc_e
@@ -132,6 +153,8 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
             # chunk s * CPS + j: its copies are the oldest group open past the ones issued after it
             async_copy.wait_group(STAGES - 3 if TOTAL - 1 - (s * CPS + j) > STAGES - 3
                                   else TOTAL - 1 - (s * CPS + j))
+            if TMA_B:  # the stage's weights: its barrier's (s * CPS + j) // STAGES-th completion
+                mbarrier.wait(bars.index((s * CPS + j) % STAGES), ((s * CPS + j) // STAGES) % 2)
             fence_async_shared()
             gl.thread_barrier()
             a_s = a_bufs.index((s * CPS + j) % STAGES)
@@ -154,7 +177,8 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
                 _issue(A, B, a_rows, row_ok, cols, col_ok,
                        ((s * CPS + j + STAGES - 2) // CPS) * SEG + ((s * CPS + j + STAGES - 2) % CPS) * BK,
                        a_bufs.index((s * CPS + j + STAGES - 2) % STAGES),
-                       b_bufs.index((s * CPS + j + STAGES - 2) % STAGES), stride_am, stride_bn, BK, LOAD)
+                       b_bufs.index((s * CPS + j + STAGES - 2) % STAGES),
+                       bars.index((s * CPS + j + STAGES - 2) % STAGES), n0, stride_am, stride_bn, BK, LOAD, TMA_B)
         if not PINGPONG:
             acc_e = warpgroup_mma_wait(num_outstanding=0, deps=(acc_e,))
             p1, root = _fold(acc_e, p1, root, p2_buf, p4_buf, s, SEGMENTS, MMA)
@@ -169,6 +193,11 @@ def _seg_tree_smem_kernel(A, B, C, A_IDX, BLOCK_EXPERT, M, N, SEG, stride_am, st
     out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     gl.store(C + out_rows[:, None] * stride_cm + out_cols[None, :], root,
              mask=(out_rows < M)[:, None] & (out_cols < N)[None, :])
+
+
+def b_layout(cfg: dict):
+    """The weights' stage layout (the kernel's B_SH), which a TMA descriptor over them must carry."""
+    return gl.NVMMASharedLayout.get_default_for([cfg["BLOCK_N"], cfg["BK"]], gl.bfloat16)
 
 
 def smem_bytes(cfg: dict) -> int:
@@ -187,6 +216,8 @@ def check(x, w, out, segments: int, cfg: dict, a_idx=None, block_expert=None) ->
         problems.append(f"K {k} in {segments} segments is not a whole number of {cfg['BK']}-column chunks")
     if block_expert is not None and (a_idx is None or w.dim() != 3):
         problems.append("expert-grouped needs the row table (a_idx) and w [E, N, K]")
+    if cfg.get("TMA_B") and (not w.is_contiguous() or (w.shape[-1] * w.element_size()) % 16):
+        problems.append("TMA_B needs a contiguous weight with 16-byte rows")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
         problems.append("operands and output need unit stride along K / N")
     if out.dtype.itemsize != 4:
@@ -201,17 +232,24 @@ def check(x, w, out, segments: int, cfg: dict, a_idx=None, block_expert=None) ->
 
 def launch(x, w, out, a_idx, block_expert, rows: int, segments: int, cfg: dict = TILE, group: int = 0):
     """``seg_tree.launch``'s call (x [*, K] gathered through ``a_idx``; w [N, K] or [E, N, K] with
-    ``block_expert`` per BLOCK_M rows; out [rows, N] fp32) with the partials in shared memory."""
+    ``block_expert`` per BLOCK_M rows; out [rows, N] fp32) with the partials in shared memory. ``cfg``'s
+    PINGPONG: two accumulators; TMA_B: the weights by TMA over w's [E * N, K] view (contiguous)."""
     check(x, w, out, segments, cfg, a_idx, block_expert)
     n, k = w.shape[-2], w.shape[-1]
     seg = k // segments
     n_m, n_n = triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])
     grid = (n_m * n_n,) if group else (n_m, n_n)
+    b = w
+    if cfg.get("TMA_B") and rows and n:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        b = TensorDescriptor.from_tensor(w.reshape(-1, k), [cfg["BLOCK_N"], cfg["BK"]], b_layout(cfg))
     if rows and n:
         _seg_tree_smem_kernel[grid](
-            x, w, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
+            x, b, out, a_idx if a_idx is not None else x, block_expert if block_expert is not None else x,
             rows, n, seg, x.stride(0), w.stride(0) if w.dim() == 3 else 0, w.stride(-2), out.stride(-2),
             HAS_IDX=a_idx is not None, GROUPED=block_expert is not None, SEGMENTS=segments,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=cfg["BK"], CPS=seg // cfg["BK"],
-            STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"], PINGPONG=cfg.get("PINGPONG", False))
+            STAGES=cfg["STAGES"], GROUP=group, num_warps=cfg["num_warps"], PINGPONG=cfg.get("PINGPONG", False),
+            TMA_B=cfg.get("TMA_B", False))
     return out

@@ -166,14 +166,17 @@ def test_the_wide_segments_decode_tiles_compile_within_a_block_s_shared_memory(c
 SMEM_FORMS = [(96, dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5)),
               (192, dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3)),
               (64, dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6)),
-              (96, dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True))]
+              (96, dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True)),
+              (192, dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True, TMA_B=True))]
 
 
 @pytest.mark.parametrize("seg,cfg", SMEM_FORMS, ids=[f"seg{s}-{c['BLOCK_M']}x{c['BLOCK_N']}k{c['BK']}{'-pingpong' if c.get('PINGPONG') else ''}"
+                                              f"{'-tma' if c.get('TMA_B') else ''}"
                                               for s, c in SMEM_FORMS])
 def test_the_shared_memory_tree_compiles_without_a_spill_each_segment_from_zero(compile_facts, seg, cfg):
     """``seg_tree_smem`` (the tree's waiting partials in shared memory) compiles for sm_90a without a spill, within
-    a block's shared memory, with one accumulator and with two (PINGPONG): each segment's warp-group MMAs in order,
+    a block's shared memory, with one accumulator and with two (PINGPONG), the weights by ``cp.async`` and by TMA
+    (TMA_B: one bulk tensor copy a chunk): each segment's warp-group MMAs in order,
     the first of each from zero (``useC`` false), one MMA step per 16 columns of K, and the fold's seven additions
     per output element (8 segments)."""
     from true_on_policy.kernels import seg_tree, seg_tree_smem
@@ -188,3 +191,4 @@ def test_the_shared_memory_tree_compiles_without_a_spill_each_segment_from_zero(
     per = seg // cfg["BK"]
     assert len(flags) == 8 * per, flags
     assert [f == "%false" for f in flags] == [i % per == 0 for i in range(8 * per)], flags
+    assert kernel.asm["ptx"].count("cp.async.bulk.tensor") == (8 * per if cfg.get("TMA_B") else 0)

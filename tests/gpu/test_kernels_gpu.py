@@ -653,7 +653,10 @@ SMEM_TILES = {"m128": None,  # seg_tree_smem.TILE
                "m128k64": dict(BLOCK_M=128, BLOCK_N=128, BK=64, num_warps=8, STAGES=3),
                "m64": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6),
                "m128pingpong": dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True),
-               "m64pingpong": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6, PINGPONG=True)}
+               "m64pingpong": dict(BLOCK_M=64, BLOCK_N=128, BK=32, num_warps=4, STAGES=6, PINGPONG=True),
+               "m128tma": dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, TMA_B=True),
+               "m128pingpongtma": dict(BLOCK_M=128, BLOCK_N=128, BK=32, num_warps=8, STAGES=5, PINGPONG=True,
+                                       TMA_B=True)}
 
 
 @pytest.mark.parametrize("tiles", sorted(SMEM_TILES))
@@ -663,7 +666,8 @@ SMEM_TILES = {"m128": None,  # seg_tree_smem.TILE
 def test_seg_tree_smem_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     """``seg_tree_smem`` (the tree's waiting partials in shared memory, Gluon) computes ROW_FLAT's bits, plain and
     expert-grouped through ``align``'s table, at every tile it offers, with one accumulator and with two (PINGPONG: a
-    segment folds while the next multiplies), where its chunks split the segments."""
+    segment folds while the next multiplies), the weights by ``cp.async`` and by TMA (TMA_B), where its chunks split
+    the segments."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree_smem as sm
     from true_on_policy.kernels.limits import KernelLimitError
@@ -677,7 +681,7 @@ def test_seg_tree_smem_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence
     table, be, _, _ = align(ids, 0, 4)
     real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
     try:
-        sm.check(x, w, torch.empty(1, 1, dtype=torch.float32, device="cuda"), segments, cfg)
+        sm.check(x, we, torch.empty(1, 1, dtype=torch.float32, device="cuda"), segments, cfg)
     except KernelLimitError as e:
         pytest.skip(str(e))
     flat = mm._launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows,
