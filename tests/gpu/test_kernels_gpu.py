@@ -598,6 +598,33 @@ def test_token_logprobs(gpu_evidence):
                          "vocab_tp_simulated": [2, 4, 8]})
 
 
+def _tree_inputs(rows, n_out, k, segments):
+    """The tree GEMM tests' operands: x [rows, k], w [n_out, k], four experts' we, ``align``'s table of rows routed
+    two apiece among them, its block experts and the mask of its real rows."""
+    import true_on_policy.kernels.matmul as mm
+    from true_on_policy.kernels.moe import align
+
+    g = _gen(rows + k + segments)
+    x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
+    we = _randn(g, 4, n_out, k, scale=0.02)
+    ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
+    table, be, _, _ = align(ids, 0, 4)
+    real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
+    return x, w, we, table, be, real
+
+
+def _flat_trees(x, w, we, table, be, segments):
+    """ROW_FLAT's plain and expert-grouped trees of ``_tree_inputs``: the bits every tree form must give."""
+    import true_on_policy.kernels.matmul as mm
+
+    rows, n_out = x.shape[0], w.shape[0]
+    flat = mm._launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows,
+                      segments, mm.ROW_FLAT)
+    gflat = mm._launch(x, we, torch.empty(table.shape[0], n_out, dtype=torch.float32, device="cuda"), table,
+                       be.repeat_interleave(mm.ALIGN // mm.ROW_FLAT["BLOCK_M"]), table.shape[0], segments, mm.ROW_FLAT)
+    return flat, gflat
+
+
 SEG_TILES = {"configured": None,  # matmul.ROW_SEG, what the MoE down projection runs
              "decode16": dict(BLOCK_M=16, BLOCK_N=64, BK=64, num_warps=4, num_stages=3),
              "k32": dict(BLOCK_M=16, BLOCK_N=64, BK=32, num_warps=4, num_stages=3),
@@ -618,7 +645,6 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
     candidate at the stages that fit where the segment is too wide for its own (Coder-480B-A35B's 320 columns)."""
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree as st
-    from true_on_policy.kernels.moe import align
 
     cfg = SEG_TILES[tiles] or mm.ROW_SEG
     if not st.fits(k // segments, cfg["BK"]):
@@ -627,21 +653,13 @@ def test_seg_tree_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence):
         cfg = mm.staged(k // segments, cfg)
         if cfg not in mm.tree_candidates(k // segments):
             pytest.skip("staged operands exceed shared memory: grouped_matmul runs ROW_FLAT for such segments")
-    g = _gen(rows + k + segments)
-    x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
-    we = _randn(g, 4, n_out, k, scale=0.02)
-    ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
-    table, be, _, _ = align(ids, 0, 4)
-    real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
-    flat = mm._launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows,
-                      segments, mm.ROW_FLAT)
+    x, w, we, table, be, real = _tree_inputs(rows, n_out, k, segments)
+    flat, gflat = _flat_trees(x, w, we, table, be, segments)
     seg = st.launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows, segments,
                     cfg)
     _same(seg, flat, f"plain {tiles} rows={rows} K={k} S={segments}")
     per = mm.ALIGN // cfg["BLOCK_M"]
     bexp = be[:, None].expand(-1, per).reshape(-1).contiguous()
-    gflat = mm._launch(x, we, torch.empty(table.shape[0], n_out, dtype=torch.float32, device="cuda"), table,
-                       be.repeat_interleave(mm.ALIGN // mm.ROW_FLAT["BLOCK_M"]), table.shape[0], segments, mm.ROW_FLAT)
     gseg_api = mm.grouped_matmul(x, we, table, be, torch.float32, segments, tree=True)  # what the MoE calls
     _same(gseg_api[real], gflat[real], f"grouped_matmul rows={rows} K={k} S={segments}")
     gseg = st.launch(x, we, torch.empty_like(gflat), table, bexp, table.shape[0], segments, cfg)
@@ -671,26 +689,17 @@ def test_seg_tree_smem_equals_flat(tiles, rows, n_out, k, segments, gpu_evidence
     import true_on_policy.kernels.matmul as mm
     import true_on_policy.kernels.seg_tree_smem as sm
     from true_on_policy.kernels.limits import KernelLimitError
-    from true_on_policy.kernels.moe import align
 
     cfg = SMEM_TILES[tiles] or sm.TILE
-    g = _gen(rows + k + segments)
-    x, w = _randn(g, rows, k), _randn(g, n_out, k, scale=0.02)
-    we = _randn(g, 4, n_out, k, scale=0.02)
-    ids = torch.randint(0, 4, (rows, 2), device="cuda", generator=g, dtype=torch.int32)
-    table, be, _, _ = align(ids, 0, 4)
-    real = (be >= 0).repeat_interleave(mm.ALIGN) & (table >= 0)
+    x, w, we, table, be, real = _tree_inputs(rows, n_out, k, segments)
     try:
         sm.check(x, we, torch.empty(1, 1, dtype=torch.float32, device="cuda"), segments, cfg)
     except KernelLimitError as e:
         pytest.skip(str(e))
-    flat = mm._launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows,
-                      segments, mm.ROW_FLAT)
+    flat, gflat = _flat_trees(x, w, we, table, be, segments)
     got = sm.launch(x, w, torch.empty(rows, n_out, dtype=torch.float32, device="cuda"), None, None, rows, segments,
                     cfg)
     _same(got, flat, f"plain {tiles} rows={rows} K={k} S={segments}")
-    gflat = mm._launch(x, we, torch.empty(table.shape[0], n_out, dtype=torch.float32, device="cuda"), table,
-                       be.repeat_interleave(mm.ALIGN // mm.ROW_FLAT["BLOCK_M"]), table.shape[0], segments, mm.ROW_FLAT)
     bexp = be.repeat_interleave(mm.ALIGN // cfg["BLOCK_M"])
     gsm = sm.launch(x, we, torch.empty_like(gflat), table, bexp, table.shape[0], segments, cfg, group=mm.MOE_GROUP_M)
     _same(gsm[real], gflat[real], f"grouped {tiles} rows={rows} K={k} S={segments}")
